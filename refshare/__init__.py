@@ -1,0 +1,28 @@
+"""refshare: share large, repeated Ray task arguments by reference, with one decorator."""
+
+from ._cache import RefCache
+from ._fingerprint import estimate_size, fingerprint, register_fingerprint, register_size
+from ._patch import install, is_installed, uninstall
+from ._scope import clear, share, shared_args, sharing
+from ._stats import Stats, reset_stats, stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RefCache",
+    "Stats",
+    "__version__",
+    "clear",
+    "estimate_size",
+    "fingerprint",
+    "install",
+    "is_installed",
+    "register_fingerprint",
+    "register_size",
+    "reset_stats",
+    "share",
+    "shared_args",
+    "sharing",
+    "stats",
+    "uninstall",
+]

@@ -1,0 +1,142 @@
+"""RefCache: a byte-bounded, thread-safe LRU of object refs keyed by content fingerprint."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+from . import _stats
+
+#: Share of the local object store the process-wide cache may hold when no budget is given.
+DEFAULT_STORE_FRACTION = 0.25
+#: Budget used when the object store's size cannot be read.
+FALLBACK_MAX_BYTES = 2 << 30
+
+
+def _check_max_bytes(max_bytes: object) -> int | None:
+    if max_bytes is None:
+        return None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ValueError(
+            f"RefCache(max_bytes={max_bytes!r}): pass a whole number of bytes >= 0, "
+            "or None for a quarter of the local object store"
+        )
+    return max_bytes
+
+
+class RefCache:
+    """A least-recently-used map from fingerprint to ``ray.ObjectRef``, bounded in bytes.
+
+    Each entry weighs the size of the value behind the ref, recorded when it is inserted (a
+    ref itself has no size). Eviction happens in :meth:`popitem` only and drops nothing but
+    refshare's reference: Ray keeps the arguments of tasks already submitted alive.
+    A value larger than the whole budget is not cached.
+
+    ``max_bytes=None`` means a quarter of the object store of the node the driver runs on,
+    read when the cache is first used in a Ray session. Refs are valid only in the Ray
+    session that made them, so the cache empties itself when it sees a new one.
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self._max_bytes = _check_max_bytes(max_bytes)
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._nbytes = 0
+        self._session: object = None
+        self._lock = threading.RLock()
+
+    @property
+    def max_bytes(self) -> int:
+        """The budget in bytes (resolved from the object store if none was given)."""
+        if self._max_bytes is None:
+            return _default_budget()
+        return self._max_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the refs in the cache, as recorded at insert time."""
+        return self._nbytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[Hashable]:
+        with self._lock:
+            return iter(list(self._entries))
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(maxsize={self.max_bytes}, currsize={self._nbytes}, "
+            f"len={len(self._entries)})"
+        )
+
+    def get(self, key: Hashable) -> Any | None:
+        """Return the ref stored for ``key`` and mark it recently used, or ``None``."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def setdefault(self, key: Hashable, ref: Any, nbytes: int) -> Any:
+        """Store ``ref`` for ``key`` unless one is already there; return the stored ref.
+
+        When two threads race to fill one key, the second takes the first one's ref, so
+        callers never see two refs for one content.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                return entry[0]
+            budget = self.max_bytes
+            if nbytes > budget:
+                return ref
+            while self._entries and self._nbytes + nbytes > budget:
+                self.popitem()
+            self._entries[key] = (ref, nbytes)
+            self._nbytes += nbytes
+            return ref
+
+    def popitem(self) -> tuple[Hashable, Any]:
+        """Evict the least recently used entry and return ``(key, ref)``."""
+        with self._lock:
+            key, (ref, nbytes) = self._entries.popitem(last=False)
+            self._nbytes -= nbytes
+        _stats.record_eviction()
+        return key, ref
+
+    def clear(self) -> None:
+        """Drop every ref (Ray frees each object once no task or caller still uses it)."""
+        with self._lock:
+            self._entries.clear()
+            self._nbytes = 0
+
+    def bind_session(self, session: object) -> None:
+        """Empty the cache if its refs belong to another Ray session than ``session``."""
+        if session != self._session:
+            with self._lock:
+                if session != self._session:
+                    self.clear()
+                    self._session = session
+
+
+_budget: tuple[object, int] | None = None
+
+
+def _default_budget() -> int:
+    """A quarter of the local node's object store, read once per Ray session."""
+    global _budget
+    from ._session import current_session, local_object_store_bytes
+
+    session = current_session()
+    if _budget is None or _budget[0] != session:
+        store: int | None = local_object_store_bytes() if session is not None else None
+        size = int(store * DEFAULT_STORE_FRACTION) if store else FALLBACK_MAX_BYTES
+        _budget = (session, size)
+    return _budget[1]

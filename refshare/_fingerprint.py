@@ -1,0 +1,399 @@
+"""Cheap size estimates and content fingerprints of task arguments, dispatched by type."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+
+from ._hashing import SEED, digest_buffer
+
+logger = logging.getLogger("refshare")
+
+Key = bytes
+SizeFn = Callable[[Any], int]
+FingerprintFn = Callable[[Any], Any]
+#: What the per-call memo holds for one object: the object itself (so its ``id()`` cannot be
+#: recycled while the memo lives), a stamp that changes when it is mutated, and its digest.
+MemoEntry = tuple[object, object, Key]
+Memo = dict[int, MemoEntry]
+
+#: How many objects a size estimate visits at most: a list of a million small items is sized
+#: by its first ones, so the estimate costs microseconds whatever the argument.
+SIZE_VISIT_BUDGET = 10_000
+#: What one scalar (int, float, ...) is taken to weigh.
+SCALAR_BYTES = 8
+
+_SCALARS = (int, float, complex, bool, type(None))
+
+
+class Unfingerprintable(Exception):
+    """Raised inside a fingerprint pass for a value that must go by value."""
+
+
+# -- leaf digests: types whose content refshare hashes itself -----------------------------
+
+
+def _tagged(tag: str, *meta: object) -> xxhash.xxh3_128:
+    return xxhash.xxh3_128(repr((tag, *meta)).encode(), SEED)
+
+
+def _combine(head: xxhash.xxh3_128, body: bytes) -> Key:
+    head.update(body)
+    return head.digest()
+
+
+def _digest_bytes(obj: bytes | bytearray) -> Key:
+    return _combine(_tagged(type(obj).__name__, len(obj)), digest_buffer(obj))
+
+
+def _digest_str(obj: str) -> Key:
+    data = obj.encode("utf-8", "surrogatepass")
+    return _combine(_tagged("str", len(data)), digest_buffer(data))
+
+
+def _digest_memoryview(obj: memoryview) -> Key:
+    data = obj if obj.c_contiguous else memoryview(obj.tobytes())
+    head = _tagged("memoryview", obj.format, obj.shape, obj.nbytes)
+    return _combine(head, digest_buffer(data))
+
+
+def _ndarray_layout(arr: Any) -> tuple[str, Any]:
+    """Name the layout Ray's pickling keeps ('C', 'F' or a copy in C order) and a flat view."""
+    if arr.flags.c_contiguous:
+        return "C", arr.reshape(-1).view("u1")
+    if arr.flags.f_contiguous:
+        return "F", arr.T.reshape(-1).view("u1")
+    import numpy as np
+
+    return "N", np.ascontiguousarray(arr).reshape(-1).view("u1")
+
+
+def _digest_ndarray(arr: Any) -> Key | None:
+    if arr.dtype.hasobject:
+        return None  # pickled element by element: the generic pass handles it
+    order, flat = _ndarray_layout(arr)
+    strides = arr.strides if order == "N" else None
+    head = _tagged("ndarray", repr(arr.dtype), arr.dtype.str, arr.shape, order, strides)
+    return _combine(head, digest_buffer(memoryview(flat)))
+
+
+def _digest_tensor(t: Any) -> Key | None:
+    """Hash what pickling a CPU tensor sends: its whole storage, offset, size and stride."""
+    import torch
+
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
+        raise Unfingerprintable(f"{t.device.type} {t.layout} tensor")  # as Ray sends it
+    if t.requires_grad and not t.is_leaf:
+        raise Unfingerprintable("non-leaf tensor")  # not picklable: Ray raises by value
+    storage = t.untyped_storage()
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    head = _tagged(
+        type(t).__qualname__,
+        str(t.dtype),
+        tuple(t.shape),
+        t.stride(),
+        t.storage_offset(),
+        t.requires_grad,
+        storage.nbytes(),
+    )
+    return _combine(head, digest_buffer(memoryview(raw)))
+
+
+def _tensor_stamp(t: Any) -> object:
+    return t._version
+
+
+def _tensor_nbytes(t: Any) -> int:
+    if t.device.type != "cpu":
+        return 0  # never shared, whatever its size
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:
+        return int(t.element_size() * t.nelement())
+
+
+# -- dispatch tables ----------------------------------------------------------------------
+
+_sizes: dict[type, SizeFn] = {}
+_leaf_digests: dict[type, Callable[[Any], Key | None]] = {
+    bytes: _digest_bytes,
+    bytearray: _digest_bytes,
+    str: _digest_str,
+    memoryview: _digest_memoryview,
+}
+_stamps: dict[type, Callable[[Any], object]] = {}
+_user_fingerprints: dict[type, FingerprintFn] = {}
+
+
+def _register_numpy() -> None:
+    import numpy as np
+
+    _sizes.setdefault(np.ndarray, lambda a: int(a.nbytes))
+    _leaf_digests[np.ndarray] = _digest_ndarray  # exact type only: subclasses may carry state
+    for scalar in (np.generic,):
+        _sizes.setdefault(scalar, lambda s: int(s.nbytes))
+
+
+def _register_torch() -> None:
+    import torch
+
+    _sizes.setdefault(torch.Tensor, _tensor_nbytes)
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        _leaf_digests[cls] = _digest_tensor
+        _stamps[cls] = _tensor_stamp
+
+
+#: Registered when the first object of that package is seen, so neither is ever imported
+#: by refshare unless the user's own code already has.
+_lazy: dict[str, Callable[[], None]] = {"numpy": _register_numpy, "torch": _register_torch}
+
+
+def _load_lazy(cls: type) -> None:
+    root = getattr(cls, "__module__", "").partition(".")[0]
+    if root in _lazy and root in sys.modules:
+        _lazy.pop(root)()
+
+
+def register_size(cls: type, size: SizeFn) -> None:
+    """Teach refshare how many bytes an instance of ``cls`` (or a subclass) will serialize to.
+
+    ``size(obj)`` must be cheap: it runs on every argument before anything is hashed.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"register_size() takes a class, got {cls!r}")
+    if not callable(size):
+        raise TypeError(f"register_size() takes a callable size function, got {size!r}")
+    _sizes[cls] = size
+    _size_dispatch.clear()
+
+
+def register_fingerprint(
+    cls: type, fingerprint: FingerprintFn, *, size: SizeFn | None = None
+) -> None:
+    """Teach refshare what defines the content of an instance of ``cls`` (or a subclass).
+
+    ``fingerprint(obj)`` returns any value refshare can fingerprint itself, typically a tuple
+    of the object's arrays, tensors and metadata. Two instances share a ref exactly when these
+    values are equal in type, layout and bytes, so leave nothing out that a worker would see.
+    ``size`` is the same as :func:`register_size`.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"register_fingerprint() takes a class, got {cls!r}")
+    if not callable(fingerprint):
+        raise TypeError(
+            f"register_fingerprint() takes a callable fingerprint function, got {fingerprint!r}"
+        )
+    _user_fingerprints[cls] = fingerprint
+    _fingerprint_dispatch.clear()
+    if size is not None:
+        register_size(cls, size)
+
+
+def _resolve(table: dict[type, Any], cls: type) -> Any:
+    for base in cls.__mro__:
+        _load_lazy(base)
+    for base in cls.__mro__:
+        found = table.get(base)
+        if found is not None:
+            return found
+    return None
+
+
+_size_dispatch: dict[type, SizeFn | None] = {}
+_fingerprint_dispatch: dict[type, FingerprintFn | None] = {}
+
+
+def _user_fingerprint_for(cls: type) -> FingerprintFn | None:
+    try:
+        return _fingerprint_dispatch[cls]
+    except KeyError:
+        found: FingerprintFn | None = _resolve(_user_fingerprints, cls)
+        _fingerprint_dispatch[cls] = found
+        return found
+
+
+def _leaf_for(cls: type) -> Callable[[Any], Key | None] | None:
+    found = _leaf_digests.get(cls)
+    if found is None and cls.__module__.partition(".")[0] in _lazy:
+        _load_lazy(cls)
+        found = _leaf_digests.get(cls)
+    return found
+
+
+# -- size estimate ------------------------------------------------------------------------
+
+
+class _Sizing:
+    __slots__ = ("budget", "limit", "seen", "total")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.total = 0
+        self.budget = SIZE_VISIT_BUDGET
+        self.seen: set[int] = set()
+
+    def add(self, obj: object) -> None:
+        self.budget -= 1
+        cls = type(obj)
+        if cls in _SCALARS:
+            self.total += SCALAR_BYTES
+            return
+        if cls is bytes or cls is str or cls is bytearray:
+            self.total += len(obj)  # type: ignore[arg-type]
+            return
+        try:
+            size = _size_dispatch[cls]
+        except KeyError:
+            size = _size_dispatch[cls] = _resolve(_sizes, cls)
+        if size is not None:
+            self.total += size(obj)
+            return
+        if id(obj) in self.seen:
+            return
+        self.seen.add(id(obj))
+        if isinstance(obj, dict):
+            self.add_all(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            self.add_all(obj)
+        elif isinstance(obj, memoryview):
+            self.total += obj.nbytes
+        else:
+            state = getattr(obj, "__dict__", None)
+            if isinstance(state, dict):
+                self.add_all(state.values())
+            else:
+                self.total += sys.getsizeof(obj, SCALAR_BYTES)
+
+    def add_all(self, items: Any) -> None:
+        for item in items:
+            if self.total >= self.limit or self.budget <= 0:
+                return
+            self.add(item)
+
+
+def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
+    """Estimate the bytes ``obj`` serializes to, without serializing it.
+
+    Arrays and tensors report their buffer size, containers and plain objects the sum of
+    their members. The walk stops once the total reaches ``limit`` or after
+    ``SIZE_VISIT_BUDGET`` objects, so the result is a lower bound past either point.
+    """
+    sizing = _Sizing(limit)
+    try:
+        sizing.add(obj)
+    except RecursionError:
+        pass
+    except Exception:
+        logger.debug("refshare: could not size %s", type(obj).__qualname__, exc_info=True)
+        return 0
+    return sizing.total
+
+
+# -- fingerprints -------------------------------------------------------------------------
+
+
+def _from_digest(*parts: object) -> None:
+    """Stands in a fingerprint pass for a value refshare hashed itself; never called."""
+
+
+def _from_user_fingerprint(*parts: object) -> None:
+    """Stands in a fingerprint pass for a registered type's normalized form; never called."""
+
+
+class _HashFile:
+    """A write-only file that hashes what the pickler writes, and holds nothing."""
+
+    __slots__ = ("hasher",)
+
+    def __init__(self) -> None:
+        self.hasher = xxhash.xxh3_128(b"pickle", SEED)
+
+    def write(self, data: Any) -> int:
+        self.hasher.update(data)
+        return len(data)
+
+
+class _FingerprintPickler(pickle.Pickler):
+    """Pickles only to hash: out-of-band buffers are hashed where they lie, and arrays,
+    tensors and registered types are replaced by their own digests."""
+
+    def __init__(self, memo: Memo) -> None:
+        self.stream = _HashFile()
+        self.buffers = xxhash.xxh3_128(b"buffers", SEED)
+        self.digests = memo
+        super().__init__(self.stream, protocol=5, buffer_callback=self._hash_buffer)
+
+    def _hash_buffer(self, buffer: pickle.PickleBuffer) -> None:
+        raw = buffer.raw()
+        self.buffers.update(raw.nbytes.to_bytes(8, "little"))
+        self.buffers.update(digest_buffer(raw))
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = type(obj)
+        leaf = _leaf_for(cls)
+        if leaf is not None:
+            digest = leaf_digest(obj, leaf, self.digests)
+            return NotImplemented if digest is None else (_from_digest, (digest,))
+        user = _user_fingerprint_for(cls) if _user_fingerprints else None
+        if user is not None:
+            return _from_user_fingerprint, (f"{cls.__module__}.{cls.__qualname__}", user(obj))
+        return NotImplemented
+
+    def key(self) -> Key:
+        head = self.stream.hasher
+        head.update(self.buffers.digest())
+        return head.digest()
+
+
+def leaf_digest(obj: object, leaf: Callable[[Any], Key | None], memo: Memo | None) -> Key | None:
+    """Digest ``obj`` with ``leaf``, at most once per ``memo`` unless its stamp moved."""
+    if memo is None:
+        return leaf(obj)
+    stamp_fn = _stamps.get(type(obj))
+    stamp = stamp_fn(obj) if stamp_fn is not None else None
+    entry = memo.get(id(obj))
+    if entry is not None and entry[0] is obj and entry[1] == stamp:
+        return entry[2]
+    digest = leaf(obj)
+    if digest is not None:
+        memo[id(obj)] = (obj, stamp, digest)
+    return digest
+
+
+def fingerprint(obj: object, memo: Memo | None = None) -> Key | None:
+    """Return a key that is equal for two values exactly when Ray would send equal data.
+
+    The key covers the type, dtype, shape, layout and every byte, hashed with seeded
+    xxh3-128. Arrays, tensors, bytes and strings are hashed in place; anything else goes
+    through a pickle protocol-5 pass that hashes instead of storing. Returns ``None`` for
+    values that cannot be fingerprinted: they go to Ray by value.
+    """
+    try:
+        leaf = _leaf_for(type(obj))
+        if leaf is not None:
+            digest = leaf_digest(obj, leaf, memo)
+            if digest is not None:
+                return digest
+        pickler = _FingerprintPickler(memo if memo is not None else {})
+        pickler.dump(obj)
+        return pickler.key()
+    except RecursionError:
+        logger.debug("refshare: %s is nested too deeply to fingerprint", type(obj).__qualname__)
+    except Exception:
+        logger.debug("refshare: cannot fingerprint %s", type(obj).__qualname__, exc_info=True)
+    return None
+
+
+__all__ = [
+    "Key",
+    "Memo",
+    "estimate_size",
+    "fingerprint",
+    "register_fingerprint",
+    "register_size",
+]

@@ -1,0 +1,68 @@
+"""Seeded xxh3-128 digests of raw buffers, in parallel chunks when they are large."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import xxhash
+
+Buffer = bytes | bytearray | memoryview
+
+#: Per-process random seed: a key cannot be precomputed offline, so nobody can craft an
+#: argument that collides with another one. Keys are therefore stable within a process only.
+SEED: int = secrets.randbits(64)
+
+#: Buffers up to this size are hashed in one call; larger ones as a tree of chunk digests.
+PARALLEL_MIN_BYTES = 4 << 20
+#: Chunk size of the tree. Fixed, so the digest of a buffer depends on its bytes only.
+CHUNK_BYTES = 1 << 20
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(_threads() - 1 or 1, thread_name_prefix="refshare-hash")
+    return _pool
+
+
+def _chunk_digests(flat: memoryview, start: int, stop: int) -> list[bytes]:
+    digest = xxhash.xxh3_128_digest
+    return [
+        digest(flat[i : min(i + CHUNK_BYTES, stop)], SEED) for i in range(start, stop, CHUNK_BYTES)
+    ]
+
+
+def digest_buffer(buf: Buffer) -> bytes:
+    """Return the 16-byte digest of a C-contiguous buffer, hashed where it lies.
+
+    xxhash releases the GIL on large inputs, so a large buffer is cut into fixed chunks that
+    the calling thread and a small pool hash at once; the chunk digests are hashed again.
+    """
+    flat = memoryview(buf).cast("B") if not isinstance(buf, bytes) else memoryview(buf)
+    size = flat.nbytes
+    if size <= PARALLEL_MIN_BYTES:
+        return xxhash.xxh3_128_digest(flat, SEED)
+    chunks = -(-size // CHUNK_BYTES)
+    threads = min(_threads(), chunks)
+    per = -(-chunks // threads) * CHUNK_BYTES
+    bounds = [(lo, min(lo + per, size)) for lo in range(0, size, per)]
+    pool = _get_pool()
+    futures = [pool.submit(_chunk_digests, flat, lo, hi) for lo, hi in bounds[1:]]
+    parts = _chunk_digests(flat, *bounds[0])
+    for future in futures:
+        parts.extend(future.result())
+    tree = xxhash.xxh3_128(size.to_bytes(8, "little"), SEED)
+    tree.update(b"".join(parts))
+    return tree.digest()

@@ -1,0 +1,282 @@
+"""The @shared_args decorator, the sharing() block and share(): where arguments become refs."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Callable
+from contextvars import Token
+from typing import Any, TypeVar, cast, overload
+
+import ray
+import wrapt
+
+from . import _stats
+from ._cache import RefCache
+from ._fingerprint import Key, Memo, estimate_size, fingerprint
+from ._patch import SubmitScope, active_scope, ensure_installed
+from ._session import current_session
+
+logger = logging.getLogger("refshare")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+CacheOption = bool | RefCache
+
+#: Ray's own inline limit: smaller arguments travel inside the task message and are not
+#: stored, so sharing them would only add a put.
+DEFAULT_MIN_BYTES = 100 * 1024
+#: Setting this environment variable to 1 makes every scope a pass-through.
+DISABLE_ENV = "REFSHARE_DISABLE"
+
+_process_cache = RefCache()
+_SMALL_TYPES = frozenset((int, float, bool, complex, type(None)))
+
+
+def process_cache() -> RefCache:
+    """The process-wide cache that ``cache=True`` uses."""
+    return _process_cache
+
+
+def clear() -> None:
+    """Empty the process-wide cache (Ray frees each object once no task still uses it)."""
+    _process_cache.clear()
+
+
+def _disabled_by_env() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class Options:
+    """Validated options of one decorator or ``sharing`` block."""
+
+    __slots__ = ("cache", "enabled", "min_bytes")
+
+    def __init__(
+        self, min_bytes: int | None = None, cache: CacheOption = True, enabled: bool = True
+    ) -> None:
+        if min_bytes is None:
+            min_bytes = DEFAULT_MIN_BYTES
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(
+                f"min_bytes={min_bytes!r}: pass a whole number of bytes >= 0 "
+                f"(the default, None, is {DEFAULT_MIN_BYTES})"
+            )
+        if not isinstance(cache, (bool, RefCache)):
+            raise TypeError(
+                f"cache={cache!r}: pass True (the process-wide cache), False (share within "
+                "one call only) or a refshare.RefCache"
+            )
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled={enabled!r}: pass True or False")
+        self.min_bytes = min_bytes
+        self.cache: RefCache | None = (
+            _process_cache if cache is True else (cache if isinstance(cache, RefCache) else None)
+        )
+        self.enabled = enabled
+
+
+class Scope:
+    """One decorated call or ``sharing`` block: shares the arguments of what it submits.
+
+    The memo lets each object be hashed once per scope, and ``local`` lets each content be
+    put once per scope even when no cache is used or the value exceeds the cache budget.
+    """
+
+    __slots__ = ("cache", "local", "memo", "min_bytes", "session")
+
+    def __init__(self, options: Options) -> None:
+        self.min_bytes = options.min_bytes
+        self.cache = options.cache
+        self.memo: Memo = {}
+        self.local: dict[Key, Any] = {}
+        self.session: tuple[str, str] | None = None
+
+    def rewrite(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Return the task's ``args`` and ``kwargs`` with large values replaced by refs.
+
+        Returns the very same objects when nothing was replaced, so Ray sees no copy.
+        """
+        new_args = args
+        if args:
+            shared = [self.share(value) for value in args]
+            if any(new is not old for new, old in zip(shared, args, strict=False)):
+                new_args = shared
+        new_kwargs = kwargs
+        if kwargs:
+            shared_kw = {name: self.share(value) for name, value in kwargs.items()}
+            if any(shared_kw[name] is not value for name, value in kwargs.items()):
+                new_kwargs = shared_kw
+        return new_args, new_kwargs
+
+    def share(self, value: Any) -> Any:
+        """Return a ref for ``value`` if it is large and shareable, else ``value`` itself."""
+        if type(value) in _SMALL_TYPES or isinstance(value, ray.ObjectRef):
+            return value
+        nbytes = estimate_size(value, self.min_bytes)
+        if nbytes < self.min_bytes:
+            return value
+        if not self.ready():
+            return value  # Ray is not running yet: it starts on this very call
+        return self.put(value, nbytes, fallback=value)
+
+    def ready(self) -> bool:
+        """Whether Ray is running; binds the cache to its session the first time."""
+        if self.session is None:
+            self.session = current_session()
+            if self.session is None:
+                return False
+            if self.cache is not None:
+                self.cache.bind_session(self.session)
+        return True
+
+    def put(self, value: Any, nbytes: int, fallback: Any) -> Any:
+        """The ref for ``value``'s content: found in the scope or cache, or put now."""
+        key = fingerprint(value, self.memo)
+        if key is None:
+            _stats.record_by_value()
+            return fallback
+        ref = self.local.get(key)
+        if ref is None and self.cache is not None:
+            ref = self.cache.get(key)
+        if ref is not None:
+            self.local[key] = ref
+            _stats.record_hit(nbytes)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("refshare: hit  %d bytes, key %s", nbytes, key.hex()[:12])
+            return ref
+        try:
+            ref = ray.put(value)
+        except Exception:
+            # Ray by value gives the user the error they would get without refshare.
+            logger.debug("refshare: ray.put failed; sending by value", exc_info=True)
+            _stats.record_by_value()
+            return fallback
+        _stats.record_put(nbytes)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("refshare: put  %d bytes, key %s", nbytes, key.hex()[:12])
+        if self.cache is not None:
+            ref = self.cache.setdefault(key, ref, nbytes)
+        self.local[key] = ref
+        return ref
+
+
+def _enter(options: Options) -> Token[SubmitScope | None]:
+    """Make a new scope current (or none, when disabled); the token undoes it."""
+    if not options.enabled or _disabled_by_env():
+        return active_scope.set(None)
+    ensure_installed()
+    return active_scope.set(Scope(options))
+
+
+class sharing:
+    """Share large arguments of every Ray submission made inside a ``with`` block.
+
+    Takes the same options as :func:`shared_args`. Reusable and re-entrant; each entry
+    starts a fresh scope, and the innermost scope's options apply. Threads started inside
+    the block do not inherit it.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_bytes: int | None = None,
+        cache: CacheOption = True,
+        enabled: bool = True,
+    ) -> None:
+        self._options = Options(min_bytes, cache, enabled)
+        self._tokens: list[Token[SubmitScope | None]] = []
+
+    def __enter__(self) -> sharing:
+        self._tokens.append(_enter(self._options))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        active_scope.reset(self._tokens.pop())
+
+
+def _make_decorator(options: Options) -> Callable[[_F], _F]:
+    def decorate(func: _F) -> _F:
+        target = getattr(func, "__func__", func)  # see through classmethod/staticmethod
+        if not callable(target):
+            raise TypeError(f"@shared_args decorates a function or method, got {func!r}")
+        if inspect.isgeneratorfunction(target) or inspect.isasyncgenfunction(target):
+            raise TypeError(
+                f"@shared_args cannot decorate the generator {target.__qualname__!r}: its body "
+                "runs after the call returns. Use `with refshare.sharing():` inside it instead."
+            )
+
+        if inspect.iscoroutinefunction(target):
+
+            async def run_async(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+                token = _enter(options)
+                try:
+                    return await wrapped(*args, **kwargs)
+                finally:
+                    active_scope.reset(token)
+
+            return cast(_F, wrapt.FunctionWrapper(func, run_async))
+
+        def run(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+            token = _enter(options)
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                active_scope.reset(token)
+
+        return cast(_F, wrapt.FunctionWrapper(func, run))
+
+    return decorate
+
+
+@overload
+def shared_args(func: _F, /) -> _F: ...
+
+
+@overload
+def shared_args(
+    *, min_bytes: int | None = None, cache: CacheOption = True, enabled: bool = True
+) -> Callable[[_F], _F]: ...
+
+
+def shared_args(
+    func: _F | None = None,
+    /,
+    *,
+    min_bytes: int | None = None,
+    cache: CacheOption = True,
+    enabled: bool = True,
+) -> _F | Callable[[_F], _F]:
+    """Share the large arguments of every Ray call the decorated function submits.
+
+    While the function runs, each top-level argument of each ``.remote()`` it makes (actor
+    methods, remote functions, actor creation) that reaches ``min_bytes`` is fingerprinted
+    and sent as an ``ObjectRef``: put once, then found again by content. The function's own
+    body still sees the original values.
+
+    Args:
+        min_bytes: arguments smaller than this go by value (default: 100 KiB, Ray's inline
+            limit).
+        cache: ``True`` for the process-wide cache, ``False`` to share within one call
+            only, or a :class:`RefCache` of your own.
+        enabled: ``False`` makes the decorator a pass-through.
+
+    Use bare (``@shared_args``) or with options (``@shared_args(min_bytes=1 << 20)``).
+    Options are checked here, when decorating.
+    """
+    decorate = _make_decorator(Options(min_bytes, cache, enabled))
+    return decorate if func is None else decorate(func)
+
+
+def share(value: Any) -> ray.ObjectRef[Any]:
+    """A content-addressed ``ray.put``: equal content gives the same ref.
+
+    Uses the current scope's cache if called inside one, else the process-wide cache.
+    Values refshare cannot fingerprint are put as they are.
+    """
+    current = active_scope.get()
+    scope = current if isinstance(current, Scope) else Scope(Options(min_bytes=0))
+    if _disabled_by_env() or not scope.ready():
+        return ray.put(value)
+    ref = scope.put(value, estimate_size(value), fallback=None)
+    return ray.put(value) if ref is None else ref

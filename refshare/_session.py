@@ -1,0 +1,30 @@
+"""What refshare reads from the running Ray: which session it is, and its object store."""
+
+from __future__ import annotations
+
+import ray
+
+
+def current_session() -> tuple[str, str] | None:
+    """Name the connected Ray session and job, or return ``None`` when Ray is not running.
+
+    Refs die with the session that made them. The job id alone repeats across sessions
+    (every new local cluster starts at job 1), and the session name alone repeats when a
+    driver reconnects to the same cluster, so the pair is the key.
+    """
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    return context.get_session_name(), context.get_job_id()
+
+
+def local_object_store_bytes() -> int | None:
+    """Size of the object store on the driver's node, or ``None`` if Ray does not say."""
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+        for node in ray.nodes():  # type: ignore[no-untyped-call]
+            if node.get("NodeID") == node_id:
+                return int(node["Resources"]["object_store_memory"])
+    except Exception:
+        return None
+    return None

@@ -1,0 +1,64 @@
+"""Process-wide counters of what refshare shared, read as an immutable snapshot."""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+
+class Stats(NamedTuple):
+    """What refshare did in this process since it started (or since :func:`reset_stats`).
+
+    ``puts`` and ``bytes_put`` count values refshare stored with ``ray.put``; ``hits`` and
+    ``bytes_saved`` count arguments that travelled as an existing ref instead of being
+    serialized again; ``evictions`` counts refs dropped to stay within a cache's budget;
+    ``by_value`` counts large arguments refshare could not fingerprint or put, which went
+    to Ray unchanged.
+    """
+
+    puts: int = 0
+    hits: int = 0
+    bytes_put: int = 0
+    bytes_saved: int = 0
+    evictions: int = 0
+    by_value: int = 0
+
+
+_lock = threading.Lock()
+_counts = [0] * len(Stats._fields)
+_PUTS, _HITS, _BYTES_PUT, _BYTES_SAVED, _EVICTIONS, _BY_VALUE = range(len(Stats._fields))
+
+
+def _add(index: int, nbytes_index: int | None = None, nbytes: int = 0) -> None:
+    with _lock:
+        _counts[index] += 1
+        if nbytes_index is not None:
+            _counts[nbytes_index] += nbytes
+
+
+def record_put(nbytes: int) -> None:
+    _add(_PUTS, _BYTES_PUT, nbytes)
+
+
+def record_hit(nbytes: int) -> None:
+    _add(_HITS, _BYTES_SAVED, nbytes)
+
+
+def record_eviction() -> None:
+    _add(_EVICTIONS)
+
+
+def record_by_value() -> None:
+    _add(_BY_VALUE)
+
+
+def stats() -> Stats:
+    """Return a snapshot of refshare's counters for this process."""
+    with _lock:
+        return Stats(*_counts)
+
+
+def reset_stats() -> None:
+    """Set every counter back to zero."""
+    with _lock:
+        _counts[:] = [0] * len(_counts)
