@@ -1,0 +1,54 @@
+"""Shared fixtures: one local Ray for the whole session, restarted by tests that stop it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+import refshare
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+#: Small enough for 2 cores; actors take fractions of a CPU.
+NUM_CPUS = 2
+OBJECT_STORE_BYTES = 1 << 30
+
+
+def start_local_ray() -> None:
+    """Start the suite's local Ray unless one is already running."""
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=NUM_CPUS,
+            object_store_memory=OBJECT_STORE_BYTES,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shutdown_at_end() -> Iterator[None]:
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A running local Ray: started once, and again for any module after one that stopped it.
+
+    A test that stops Ray or starts another cluster must call ``start_local_ray()`` when done.
+    """
+    start_local_ray()
+    yield
+
+
+@pytest.fixture
+def fresh() -> Iterator[None]:
+    """Empty process-wide cache and zeroed stats, so counts are this test's own."""
+    refshare.clear()
+    refshare.reset_stats()
+    yield
+    refshare.clear()
