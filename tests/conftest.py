@@ -11,6 +11,12 @@ import ray
 import refshare
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Workers start from the raylet's environment: let them import the test modules whose
+# classes and functions the tests send them.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (_TESTS, os.environ.get("PYTHONPATH", "")) if p
+)
 
 #: Small enough for 2 cores; actors take fractions of a CPU.
 NUM_CPUS = 2

@@ -1,0 +1,80 @@
+"""What the tests send to workers, and workers that report what they received."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import ray
+
+
+class Payload:
+    """A large value whose serializations by Ray's driver are counted (refshare's own
+    fingerprint pass pickles it too, but through plain pickle, which is not counted)."""
+
+    serialized = 0
+    _lock = threading.Lock()
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+    @classmethod
+    def filled(cls, fill: int, nbytes: int = 1 << 20) -> Payload:
+        return cls(np.full(nbytes, fill, dtype=np.uint8))
+
+
+def _serialize(payload: Payload) -> np.ndarray:
+    with Payload._lock:
+        Payload.serialized += 1
+    return payload.data
+
+
+def _deserialize(data: np.ndarray) -> Payload:
+    return Payload(data)
+
+
+def count_payload_serializations() -> None:
+    """Route Ray's serialization of Payload through a counter (in this process only)."""
+    ray.util.register_serializer(Payload, serializer=_serialize, deserializer=_deserialize)
+
+
+def describe(value: Any) -> Any:
+    """What a worker saw: type, and for arrays their dtype, shape, flags and a checksum."""
+    if isinstance(value, Payload):
+        return ("Payload", describe(value.data))
+    if isinstance(value, np.ndarray):
+        return (
+            "ndarray",
+            str(value.dtype),
+            value.shape,
+            bool(value.flags.writeable),
+            bool(value.flags.f_contiguous and not value.flags.c_contiguous),
+            float(value.astype(np.float64).sum()),
+        )
+    if isinstance(value, dict):
+        return {key: describe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(describe(item) for item in value)
+    if isinstance(value, ray.ObjectRef):
+        return "ObjectRef"  # a nested ref is not resolved by Ray: the worker sees the ref
+    return (type(value).__name__, value if isinstance(value, (int, float, str)) else None)
+
+
+@ray.remote(num_cpus=0.1)
+class Worker:
+    """Reports what it was constructed with and what each call received."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.init = describe((args, kwargs))
+
+    def received_at_init(self) -> Any:
+        return self.init
+
+    def receive(self, *args: Any, **kwargs: Any) -> Any:
+        return describe((args, kwargs))
+
+
+@ray.remote(num_cpus=0.1)
+def receive(*args: Any, **kwargs: Any) -> Any:
+    return describe((args, kwargs))

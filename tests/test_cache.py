@@ -1,0 +1,74 @@
+"""RefCache on its own: LRU order, the byte budget, sessions, threads and bad options."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import refshare
+from refshare import RefCache
+
+
+def test_lru_within_a_byte_budget() -> None:
+    cache = RefCache(max_bytes=100)
+    cache.setdefault("a", "ref-a", 40)
+    cache.setdefault("b", "ref-b", 40)
+    assert cache.get("a") == "ref-a"  # a is now the most recently used
+    before = refshare.stats().evictions
+    cache.setdefault("c", "ref-c", 40)  # over budget: b goes, not a
+    assert "b" not in cache and "a" in cache and "c" in cache
+    assert len(cache) == 2 and cache.nbytes == 80 and cache.max_bytes == 100
+    assert refshare.stats().evictions == before + 1
+    assert repr(cache) == "RefCache(maxsize=100, currsize=80, len=2)"
+
+
+def test_a_value_larger_than_the_budget_is_not_cached() -> None:
+    cache = RefCache(max_bytes=100)
+    cache.setdefault("small", "ref", 10)
+    assert cache.setdefault("huge", "big-ref", 101) == "big-ref"
+    assert "huge" not in cache and "small" in cache
+
+
+def test_second_writer_gets_the_first_ref() -> None:
+    cache = RefCache(max_bytes=1000)
+    assert cache.setdefault("k", "first", 10) == "first"
+    assert cache.setdefault("k", "second", 10) == "first"
+    assert cache.nbytes == 10
+
+
+def test_clear_and_session_binding() -> None:
+    cache = RefCache(max_bytes=1000)
+    cache.bind_session(("s1", "job1"))
+    cache.setdefault("k", "ref", 10)
+    cache.bind_session(("s1", "job1"))
+    assert len(cache) == 1
+    cache.bind_session(("s2", "job1"))  # another Ray session: its refs are dead
+    assert len(cache) == 0 and cache.nbytes == 0
+    cache.setdefault("k", "ref", 10)
+    cache.clear()
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
+def test_threads_keep_the_accounting_exact() -> None:
+    cache = RefCache(max_bytes=5000)
+
+    def fill(worker: int) -> None:
+        for i in range(2000):
+            key = (worker * 7 + i) % 300
+            cache.setdefault(key, f"ref-{key}", 50)
+            cache.get((key * 13) % 300)
+
+    threads = [threading.Thread(target=fill, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert cache.nbytes == 50 * len(cache) <= 5000
+    assert all(cache.get(key) == f"ref-{key}" for key in list(cache))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1GB", True])
+def test_bad_budget_is_a_value_error(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_bytes"):
+        RefCache(max_bytes=bad)  # type: ignore[arg-type]

@@ -1,0 +1,176 @@
+"""Sizes and fingerprints, without Ray: what is equal, what is not, and what costs little."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import refshare
+from refshare import estimate_size, fingerprint
+from refshare._hashing import PARALLEL_MIN_BYTES, digest_buffer
+
+
+def test_sizes_come_from_buffers_not_getsizeof() -> None:
+    base = np.zeros(10_000_000)
+    view = base[::1]
+    assert sys.getsizeof(view) < 200  # what a naive size would see
+    assert estimate_size(view) == 80_000_000
+    assert estimate_size(b"x" * 1000) == 1000
+    assert estimate_size(bytearray(2000)) == 2000
+    assert estimate_size(memoryview(b"y" * 3000)) == 3000
+    assert estimate_size("z" * 4000) == 4000
+
+
+def test_containers_and_objects_sum_their_members() -> None:
+    @dataclasses.dataclass
+    class Batch:
+        obs: np.ndarray
+        act: np.ndarray
+
+    class Holder:
+        def __init__(self) -> None:
+            self.data = np.zeros(1000, dtype=np.uint8)
+
+    class BatchedDataDict(dict):  # type: ignore[type-arg]
+        pass
+
+    a, b = np.zeros(100, dtype=np.uint8), np.zeros(200, dtype=np.uint8)
+    assert estimate_size({"a": a, "b": b}) == 300
+    assert estimate_size([a, (b, b)]) == 500
+    assert estimate_size(Batch(a, b)) == 300
+    assert estimate_size(Holder()) == 1000
+    assert estimate_size(BatchedDataDict(a=a, b=b)) == 300
+
+
+def test_size_estimate_stops_early() -> None:
+    many = [np.zeros(1000, dtype=np.uint8) for _ in range(1000)]
+    assert 10_000 <= estimate_size(many, limit=10_000) < 12_000
+    huge = list(range(2_000_000))
+    start = time.perf_counter()
+    size = estimate_size(huge, limit=1 << 40)
+    assert time.perf_counter() - start < 0.05
+    assert size <= refshare._fingerprint.SIZE_VISIT_BUDGET * refshare._fingerprint.SCALAR_BYTES
+
+
+def test_cycles_do_not_hang() -> None:
+    loop: list[object] = [np.zeros(100, dtype=np.uint8)]
+    loop.append(loop)
+    assert estimate_size(loop) == 100
+    key = fingerprint(loop)
+    assert key is not None and key == fingerprint(loop)
+
+
+def test_equal_content_equal_key_and_different_content_different_key() -> None:
+    a = np.arange(1000, dtype=np.float64)
+    assert fingerprint(a) == fingerprint(a.copy())
+    b = a.copy()
+    b[500] += 1
+    assert fingerprint(a) != fingerprint(b)
+    assert fingerprint({"x": a, "y": [1, 2]}) == fingerprint({"x": a.copy(), "y": [1, 2]})
+    assert fingerprint({"x": a}) != fingerprint({"x": b})
+    assert fingerprint(b"abc" * 100) == fingerprint(b"abc" * 100)
+    assert fingerprint(b"abc" * 100) != fingerprint(bytearray(b"abc" * 100))
+
+
+def test_type_dtype_shape_and_layout_are_part_of_the_key() -> None:
+    a = np.arange(24, dtype=np.int64)
+    variants = [
+        a,
+        a.astype(np.float64),
+        a.view(np.float64),  # same bytes, other dtype
+        a.reshape(4, 6),
+        a.reshape(6, 4),
+        np.asfortranarray(a.reshape(4, 6)),  # same values, sent in F order
+        a.reshape(4, 6)[:, ::2],  # strided view
+        a.astype(">i8"),  # other byte order
+        a.tobytes(),
+        a.view(np.ndarray).reshape(4, 6).T,
+    ]
+    keys = [fingerprint(v) for v in variants]
+    assert None not in keys
+    assert len(set(keys)) == len(keys)
+
+
+def test_mutation_changes_the_key() -> None:
+    a = np.zeros(1000)
+    before = fingerprint(a)
+    a[-1] = 1.0
+    assert fingerprint(a) != before
+
+
+def test_non_contiguous_arrays_hash_by_content() -> None:
+    base = np.arange(10_000, dtype=np.float32).reshape(100, 100)
+    view = base[::2, ::3]
+    assert not view.flags.c_contiguous and not view.flags.f_contiguous
+    assert fingerprint(view) == fingerprint(base.copy()[::2, ::3])
+    broadcast = np.broadcast_to(np.arange(10.0), (1000, 10))
+    assert fingerprint(broadcast) == fingerprint(np.broadcast_to(np.arange(10.0), (1000, 10)))
+    assert fingerprint(broadcast) != fingerprint(np.ascontiguousarray(broadcast))
+
+
+def test_large_buffers_hash_in_chunks_by_content_only() -> None:
+    data = np.random.default_rng(0).integers(0, 255, PARALLEL_MIN_BYTES * 3, dtype=np.uint8)
+    assert digest_buffer(data) == digest_buffer(data.copy())
+    changed = data.copy()
+    changed[-1] ^= 1
+    assert digest_buffer(data) != digest_buffer(changed)
+    assert digest_buffer(data) != digest_buffer(data[:-1])
+
+
+def test_memo_hashes_each_array_once_per_call() -> None:
+    a = np.zeros(1000)
+    memo: refshare._fingerprint.Memo = {}
+    key = fingerprint(a, memo)
+    assert memo[id(a)][0] is a and memo[id(a)][2] == key
+    twin = a.copy()
+    assert fingerprint({"a": a, "b": a}, memo) == fingerprint({"a": twin, "b": twin})
+    # Aliasing is part of what a worker receives (d["a"] is d["b"]), so it is in the key.
+    assert fingerprint({"a": a, "b": a}) != fingerprint({"a": a, "b": twin})
+
+
+def test_unfingerprintable_values_give_none() -> None:
+    class Unpicklable:
+        def __reduce__(self) -> object:
+            raise RuntimeError("no")
+
+    assert fingerprint(Unpicklable()) is None
+    assert fingerprint(x for x in range(3)) is None
+    assert fingerprint([lambda: None]) is None
+
+
+def test_object_arrays_and_subclasses_use_their_pickled_form() -> None:
+    objs = np.array([{"a": 1}, "text", 3], dtype=object)
+    assert fingerprint(objs) == fingerprint(np.array([{"a": 1}, "text", 3], dtype=object))
+    assert fingerprint(objs) != fingerprint(np.array([{"a": 2}, "text", 3], dtype=object))
+
+    class Tagged(np.ndarray):  # type: ignore[type-arg]
+        pass
+
+    plain = np.arange(10.0)
+    assert fingerprint(plain.view(Tagged)) != fingerprint(plain)
+    masked = np.ma.masked_array(plain, mask=plain > 5)
+    assert fingerprint(masked) != fingerprint(np.ma.masked_array(plain, mask=plain > 6))
+
+
+def test_registered_fingerprint_and_size() -> None:
+    class TensorDictLike:
+        def __init__(self, data: dict[str, np.ndarray], batch: int) -> None:
+            self._data = data
+            self._batch = batch
+            self._lock = object()  # what the default pass would stumble on, were it unpicklable
+
+    refshare.register_fingerprint(
+        TensorDictLike,
+        lambda td: (td._batch, td._data),
+        size=lambda td: sum(v.nbytes for v in td._data.values()),
+    )
+    x = np.arange(100.0)
+    assert estimate_size(TensorDictLike({"x": x}, 10)) == 800
+    assert fingerprint(TensorDictLike({"x": x}, 10)) == fingerprint(TensorDictLike({"x": x}, 10))
+    assert fingerprint(TensorDictLike({"x": x}, 10)) != fingerprint(TensorDictLike({"x": x}, 5))
+    with pytest.raises(TypeError, match="takes a class"):
+        refshare.register_fingerprint("not a class", len)  # type: ignore[arg-type]

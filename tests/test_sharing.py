@@ -1,0 +1,317 @@
+"""End to end on a real Ray: what the driver serializes, what workers receive, what is cached."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+from helpers import Payload, Worker, count_payload_serializations, describe, receive
+
+import refshare
+
+pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
+
+N_WORKERS = 4
+
+
+@pytest.fixture(scope="module")
+def workers(local_ray: None) -> list[Any]:
+    count_payload_serializations()
+    group = [Worker.remote() for _ in range(N_WORKERS)]
+    ray.get([w.receive.remote() for w in group])
+    return group
+
+
+@pytest.fixture
+def serializations() -> Iterator[Any]:
+    """Call it to read how many times Ray serialized a Payload since the test began."""
+    start = Payload.serialized
+    yield lambda: Payload.serialized - start
+
+
+def fan_out(workers: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+    return ray.get([w.receive.remote(*args, **kwargs) for w in workers])
+
+
+@refshare.shared_args
+def shared_fan_out(workers: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+    return fan_out(workers, *args, **kwargs)
+
+
+def test_a_fan_out_serializes_a_large_argument_once(workers: list[Any], serializations) -> None:
+    payload = Payload.filled(7)
+    expected = fan_out(workers, payload)
+    assert serializations() == N_WORKERS  # Ray alone: once per .remote()
+
+    assert shared_fan_out(workers, payload) == expected
+    assert serializations() == N_WORKERS + 1
+    assert refshare.stats()[:2] == (1, N_WORKERS - 1)  # puts, hits
+
+    # Same content again, even as another object: found by fingerprint, not serialized.
+    assert shared_fan_out(workers, Payload.filled(7)) == expected
+    assert serializations() == N_WORKERS + 1
+    assert refshare.stats().hits == 2 * N_WORKERS - 1
+
+
+def test_different_methods_share_one_cache(workers: list[Any], serializations) -> None:
+    @refshare.shared_args
+    def other_method(x: Payload) -> Any:
+        return ray.get(workers[0].receive.remote(x))
+
+    shared_fan_out(workers, Payload.filled(3))
+    other_method(Payload.filled(3))
+    assert serializations() == 1
+    assert len(refshare._scope.process_cache()) == 1
+
+
+def test_workers_receive_exactly_what_ray_by_value_gives(workers: list[Any]) -> None:
+    rng = np.random.default_rng(1)
+    args = (
+        rng.random((256, 128)),
+        np.asfortranarray(rng.random((128, 256))),
+        rng.random((512, 512))[::2, ::3],
+        np.arange(200_000, dtype=">i4"),
+        b"\x01" * 300_000,
+        "t" * 300_000,
+        {"obs": rng.random(40_000), "step": 3},
+        [rng.random(20_000), rng.random(20_000)],
+        42,
+        "small",
+    )
+    by_value = fan_out(workers, *args, flag=np.ones(50_000))
+    shared = shared_fan_out(workers, *args, flag=np.ones(50_000))
+    assert shared == by_value
+    (received_args, _), _ = shared[0], None
+    assert received_args[0][3] is False  # workers get read-only arrays, as by value
+    assert received_args[1][4] is True  # F order kept
+    assert refshare.stats().puts == 9  # every large argument once: 8 positional + flag
+    assert refshare.stats().hits == 9 * (N_WORKERS - 1)
+
+
+def test_body_still_sees_the_original_values(workers: list[Any]) -> None:
+    seen = []
+
+    @refshare.shared_args
+    def train(batch: np.ndarray) -> None:
+        ray.get(workers[0].receive.remote(batch))
+        seen.append((type(batch), batch.shape, float(batch[1:4].sum())))
+
+    batch = np.arange(100_000.0)
+    train(batch)
+    assert seen == [(np.ndarray, (100_000,), 6.0)]
+
+
+def test_every_submission_path_is_shared(workers: list[Any], serializations) -> None:
+    payload = Payload.filled(5)
+    with refshare.sharing():
+        worker = Worker.remote(payload, key=payload)  # actor creation, positional and keyword
+        calls = [
+            worker.received_at_init.remote(),
+            worker.receive.remote(payload),
+            worker.receive.options(name="named").remote(data=payload),
+            receive.remote(payload),
+            receive.options(num_cpus=0.05).remote(data=payload),
+        ]
+        results = ray.get(calls)
+    assert serializations() == 1
+    expected = ray.get(receive.remote(payload))[0][0]  # by value, outside the scope
+    assert results[0] == ((expected,), {"key": expected})
+    assert results[1] == ((expected,), {})
+    assert results[2] == ((), {"data": expected})
+    assert results[3] == ((expected,), {})
+    assert results[4] == ((), {"data": expected})
+    ray.kill(worker)
+
+
+def test_refs_and_small_values_pass_through(workers: list[Any]) -> None:
+    ref = ray.put(np.ones(200_000))
+    result = shared_fan_out(workers, ref, 1, None, "x", np.zeros(10), b"\x00" * 1000)
+    assert result == fan_out(workers, ref, 1, None, "x", np.zeros(10), b"\x00" * 1000)
+    assert refshare.stats() == refshare.Stats()
+
+
+def test_a_nested_ref_is_never_introduced(workers: list[Any]) -> None:
+    # Only top-level arguments are replaced: Ray does not resolve refs inside containers.
+    batch = {"x": np.ones(200_000)}
+    assert shared_fan_out(workers, batch) == fan_out(workers, batch)
+    assert shared_fan_out(workers, [batch]) == fan_out(workers, [batch])
+    assert "ObjectRef" not in repr(shared_fan_out(workers, [batch]))
+
+
+def test_one_call_puts_once_with_cache_false(workers: list[Any], serializations) -> None:
+    @refshare.shared_args(cache=False)
+    def uncached(x: Payload) -> list[Any]:
+        return fan_out(workers, x)
+
+    uncached(Payload.filled(9))
+    uncached(Payload.filled(9))
+    assert serializations() == 2  # once per call, nothing kept between calls
+    assert len(refshare._scope.process_cache()) == 0
+
+
+def test_a_cache_of_your_own(workers: list[Any]) -> None:
+    mine = refshare.RefCache(max_bytes=10 << 20)
+
+    @refshare.shared_args(cache=mine)
+    def cached(x: Any) -> list[Any]:
+        return fan_out(workers, x)
+
+    cached(np.zeros(1 << 20, dtype=np.uint8))
+    cached(np.ones(1 << 20, dtype=np.uint8))
+    assert len(mine) == 2 and mine.nbytes == 2 << 20
+    assert len(refshare._scope.process_cache()) == 0
+    cached(np.zeros(1 << 20, dtype=np.uint8))
+    assert refshare.stats().puts == 2
+
+
+def test_min_bytes_sets_the_threshold(workers: list[Any]) -> None:
+    @refshare.shared_args(min_bytes=1 << 20)
+    def picky(x: Any) -> list[Any]:
+        return fan_out(workers, x)
+
+    picky(np.zeros(500_000, dtype=np.uint8))
+    assert refshare.stats().puts == 0
+    picky(np.zeros(1 << 20, dtype=np.uint8))
+    assert refshare.stats().puts == 1
+
+
+def test_an_array_changed_in_place_between_calls_is_sent_anew(workers: list[Any]) -> None:
+    weights = np.zeros(200_000)
+    first = shared_fan_out(workers, weights)
+    weights += 1.0
+    second = shared_fan_out(workers, weights)
+    assert first[0][0][0][5] == 0.0 and second[0][0][0][5] == 200_000.0
+    assert refshare.stats().puts == 2
+
+
+def test_temporaries_never_reuse_a_recycled_id(workers: list[Any]) -> None:
+    @refshare.shared_args
+    def per_worker() -> list[Any]:
+        # Each temporary could be freed and its id() reused by the next one.
+        return ray.get([w.receive.remote(np.full(50_000, float(i))) for i, w in enumerate(workers)])
+
+    results = per_worker()
+    assert [r[0][0][5] for r in results] == [50_000.0 * i for i in range(N_WORKERS)]
+    assert refshare.stats().puts == N_WORKERS
+
+
+def test_nested_scopes_apply_the_innermost_options(workers: list[Any]) -> None:
+    x = np.zeros(300_000, dtype=np.uint8)
+    with refshare.sharing():
+        with refshare.sharing(enabled=False):
+            fan_out(workers, x)
+        assert refshare.stats().puts == 0
+        with refshare.sharing(min_bytes=1 << 30):
+            fan_out(workers, x)
+        assert refshare.stats().puts == 0
+        fan_out(workers, x)
+    assert refshare.stats().puts == 1
+    fan_out(workers, x)  # outside every scope: by value
+    assert refshare.stats().hits == N_WORKERS - 1
+
+
+def test_disable_environment_variable_is_read_when_a_scope_starts(
+    workers: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = np.zeros(300_000, dtype=np.uint8)
+    monkeypatch.setenv("REFSHARE_DISABLE", "1")
+    assert shared_fan_out(workers, x) == fan_out(workers, x)
+    assert refshare.stats().puts == 0
+    monkeypatch.setenv("REFSHARE_DISABLE", "0")
+    shared_fan_out(workers, x)
+    assert refshare.stats().puts == 1
+
+
+def test_threads_each_get_their_own_arguments(workers: list[Any]) -> None:
+    results: dict[int, Any] = {}
+
+    def run(i: int) -> None:
+        for _ in range(3):
+            results[i] = shared_fan_out(workers, np.full(100_000, float(i)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, result in results.items():
+        assert all(r[0][0][5] == 100_000.0 * i for r in result)
+    assert refshare.stats().puts == 6
+
+
+def test_a_thread_started_in_the_body_does_not_inherit_the_scope(workers: list[Any]) -> None:
+    @refshare.shared_args
+    def spawn() -> None:
+        t = threading.Thread(target=fan_out, args=(workers, np.zeros(300_000, dtype=np.uint8)))
+        t.start()
+        t.join()
+
+    spawn()
+    assert refshare.stats().puts == 0
+
+
+def test_share_is_a_content_addressed_put() -> None:
+    a = refshare.share(np.arange(100_000.0))
+    b = refshare.share(np.arange(100_000.0))
+    c = refshare.share(np.arange(1.0, 100_001.0))
+    assert a == b and a != c
+    np.testing.assert_array_equal(ray.get(a), np.arange(100_000.0))
+    small = refshare.share(3)
+    assert ray.get(small) == 3 and refshare.share(3) == small
+    assert ray.get(refshare.share(lambda: 5))() == 5  # not fingerprintable: a plain put
+
+
+def test_an_argument_ray_cannot_serialize_fails_as_it_does_without_refshare(
+    workers: list[Any],
+) -> None:
+    class Unpicklable:
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+            self.data = np.zeros(300_000)
+
+    with pytest.raises(Exception) as by_value:
+        fan_out(workers, Unpicklable())
+    with pytest.raises(Exception) as shared:
+        shared_fan_out(workers, Unpicklable())
+    assert type(shared.value) is type(by_value.value)
+    assert refshare.stats().by_value == 1  # the first .remote() raised, as by value
+
+
+def test_nemo_shaped_worker_group(workers: list[Any], serializations) -> None:
+    """DP x TP mesh: each DP shard goes to its TP replicas; broadcast kwargs go to all."""
+    dp, tp = 2, 2
+    mesh = [[workers[d * tp + t] for t in range(tp)] for d in range(dp)]
+
+    @refshare.shared_args
+    def run_all_workers_sharded_data(data: list[Any], **common_kwargs: Any) -> list[Any]:
+        calls = [
+            mesh[d][t].receive.remote(data=data[d], **common_kwargs)
+            for d in range(dp)
+            for t in range(tp)
+        ]
+        return ray.get(calls)
+
+    shards = [{"input_ids": Payload.filled(d + 1)} for d in range(dp)]
+    config = Payload.filled(100)
+    results = run_all_workers_sharded_data(shards, config=config, step=1)
+    assert serializations() == dp + 1  # each shard once, the broadcast config once
+    for d in range(dp):
+        by_value = ray.get(mesh[d][0].receive.remote(data=shards[d], config=config, step=1))
+        for t in range(tp):
+            assert results[d * tp + t] == by_value
+    assert refshare.stats().puts == dp + 1
+
+
+def test_inline_threshold_arguments_are_untouched_when_disabled(workers: list[Any]) -> None:
+    @refshare.shared_args(enabled=False)
+    def off(x: Any) -> list[Any]:
+        return fan_out(workers, x)
+
+    off(np.zeros(300_000))
+    assert refshare.stats() == refshare.Stats()
+    assert os.environ.get("REFSHARE_DISABLE") in (None, "", "0")
