@@ -78,6 +78,7 @@ class _Patch:
 _lock = threading.Lock()
 _patches: list[_Patch] = []
 _installed = False
+_auto_installed = False
 _refused = False  # Ray's internals were not what refshare expects; warned once
 
 
@@ -148,8 +149,9 @@ def uninstall() -> None:
     A method that another library has wrapped on top of refshare since is left in place,
     so their wrapper keeps working; refshare's layer underneath passes every call through.
     """
-    global _installed
+    global _installed, _auto_installed
     with _lock:
+        _auto_installed = True  # an explicit uninstall is not undone by the next scope
         for patch in _patches:
             if patch.cls.__dict__.get(patch.attribute) is patch.wrapper:
                 setattr(patch.cls, patch.attribute, patch.original)
@@ -159,9 +161,6 @@ def uninstall() -> None:
 def is_installed() -> bool:
     """Whether refshare's patch of Ray's submit path is active."""
     return _installed
-
-
-_auto_installed = False
 
 
 def ensure_installed() -> None:

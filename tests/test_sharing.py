@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
-from helpers import Payload, Worker, count_payload_serializations, describe, receive
+from helpers import Payload, Worker, count_payload_serializations, receive
 
 import refshare
 

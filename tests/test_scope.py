@@ -1,0 +1,148 @@
+"""The decorator and the sharing() block: shapes they wrap, what survives, bad options."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+from helpers import receive
+
+import refshare
+
+BIG = np.zeros(300_000, dtype=np.uint8)
+
+
+def submit_twice(x: Any) -> Any:
+    return ray.get([receive.remote(x), receive.remote(x)])
+
+
+class Group:
+    @refshare.shared_args
+    def method(self, x: Any) -> Any:
+        """Method docstring."""
+        return submit_twice(x)
+
+    @classmethod
+    @refshare.shared_args
+    def class_method(cls, x: Any) -> Any:
+        return submit_twice(x)
+
+    @refshare.shared_args
+    @classmethod
+    def class_method_outer(cls, x: Any) -> Any:
+        return submit_twice(x)
+
+    @staticmethod
+    @refshare.shared_args
+    def static_method(x: Any) -> Any:
+        return submit_twice(x)
+
+    @refshare.shared_args
+    @staticmethod
+    def static_method_outer(x: Any) -> Any:
+        return submit_twice(x)
+
+    @refshare.shared_args(min_bytes=1000)
+    async def async_method(self, x: Any) -> Any:
+        return await asyncio.gather(receive.remote(x), receive.remote(x))
+
+
+@refshare.shared_args
+def plain(x: Any, *, scale: int = 1) -> Any:
+    """Plain docstring."""
+    return submit_twice(x)
+
+
+CALLS = {
+    "function": lambda: plain(BIG),
+    "method": lambda: Group().method(BIG),
+    "classmethod": lambda: Group.class_method(BIG),
+    "classmethod (outer)": lambda: Group.class_method_outer(BIG),
+    "staticmethod": lambda: Group.static_method(BIG),
+    "staticmethod (outer)": lambda: Group.static_method_outer(BIG),
+    "staticmethod via instance": lambda: Group().static_method(BIG),
+    "async method": lambda: asyncio.run(Group().async_method(BIG)),
+}
+
+
+@pytest.mark.usefixtures("local_ray", "fresh")
+@pytest.mark.parametrize("call", list(CALLS), ids=list(CALLS))
+def test_every_kind_of_callable_shares(call: str) -> None:
+    result = CALLS[call]()
+    assert result[0] == result[1] == ray.get(receive.remote(BIG))
+    assert refshare.stats().puts == 1 and refshare.stats().hits == 1
+
+
+def test_signature_name_docstring_and_inspect_survive() -> None:
+    assert plain.__name__ == "plain" and plain.__doc__ == "Plain docstring."
+    assert str(inspect.signature(plain)) == "(x: 'Any', *, scale: 'int' = 1) -> 'Any'"
+    assert Group.method.__qualname__ == "Group.method"
+    assert Group().method.__doc__ == "Method docstring."
+    assert inspect.iscoroutinefunction(Group.async_method)
+    assert inspect.iscoroutinefunction(Group().async_method)
+    assert not inspect.iscoroutinefunction(plain)
+    assert inspect.isfunction(plain)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "100KiB", True])
+def test_bad_min_bytes_fails_at_decoration(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"min_bytes=.*whole number of bytes"):
+        refshare.shared_args(min_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_bytes"):
+        refshare.sharing(min_bytes=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [None, 1, "yes", {}])
+def test_bad_cache_fails_at_decoration(bad: object) -> None:
+    with pytest.raises(TypeError, match=r"cache=.*RefCache"):
+        refshare.shared_args(cache=bad)  # type: ignore[arg-type]
+
+
+def test_bad_enabled_and_bad_targets_fail_at_decoration() -> None:
+    with pytest.raises(TypeError, match="enabled"):
+        refshare.shared_args(enabled="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="function or method"):
+        refshare.shared_args(42)  # type: ignore[type-var]
+
+    def gen() -> Any:
+        yield 1
+
+    with pytest.raises(TypeError, match="sharing"):
+        refshare.shared_args(gen)
+
+
+def test_sharing_is_reusable_and_reentrant() -> None:
+    block = refshare.sharing(min_bytes=10)
+    with block, block:
+        assert isinstance(refshare._patch.active_scope.get(), refshare._scope.Scope)
+    assert refshare._patch.active_scope.get() is None
+
+
+def test_the_scope_ends_when_the_body_raises() -> None:
+    @refshare.shared_args
+    def fails() -> None:
+        assert refshare._patch.active_scope.get() is not None
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        fails()
+    assert refshare._patch.active_scope.get() is None
+
+
+@pytest.mark.usefixtures("local_ray", "fresh")
+def test_concurrent_asyncio_tasks_keep_their_own_scopes() -> None:
+    @refshare.shared_args(cache=False)
+    async def one(i: int) -> Any:
+        await asyncio.sleep(0)
+        return await receive.remote(np.full(50_000, float(i)))
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    results = asyncio.run(main())
+    assert [r[0][0][5] for r in results] == [50_000.0 * i for i in range(8)]
+    assert refshare.stats().puts == 8
