@@ -1,4 +1,4 @@
-"""refshare: share large, repeated Ray task arguments by reference, with one decorator."""
+"""share large, repeated Ray task arguments by reference, with one decorator."""
 
 from ._cache import RefCache
 from ._fingerprint import estimate_size, fingerprint, register_fingerprint, register_size

@@ -289,7 +289,7 @@ def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
     except RecursionError:
         pass
     except Exception:
-        logger.debug("refshare: could not size %s", type(obj).__qualname__, exc_info=True)
+        logger.debug("could not size %s", type(obj).__qualname__, exc_info=True)
         return 0
     return sizing.total
 
@@ -383,9 +383,9 @@ def fingerprint(obj: object, memo: Memo | None = None) -> Key | None:
         pickler.dump(obj)
         return pickler.key()
     except RecursionError:
-        logger.debug("refshare: %s is nested too deeply to fingerprint", type(obj).__qualname__)
+        logger.debug("%s is nested too deeply to fingerprint", type(obj).__qualname__)
     except Exception:
-        logger.debug("refshare: cannot fingerprint %s", type(obj).__qualname__, exc_info=True)
+        logger.debug("cannot fingerprint %s", type(obj).__qualname__, exc_info=True)
     return None
 
 

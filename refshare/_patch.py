@@ -61,7 +61,7 @@ def _submit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) 
     try:
         args, kwargs = _rewrite_call(scope, args, kwargs)
     except Exception:  # never break a call that works by value
-        logger.debug("refshare: submitting by value after an internal error", exc_info=True)
+        logger.debug("submitting by value after an internal error", exc_info=True)
     return wrapped(*args, **kwargs)
 
 
@@ -128,7 +128,7 @@ def install() -> bool:
                     import ray
 
                     logger.warning(
-                        "refshare: Ray %s is not supported (%s); Ray is left unpatched and "
+                        "Ray %s is not supported (%s); Ray is left unpatched and "
                         "every argument goes by value",
                         getattr(ray, "__version__", "?"),
                         error,

@@ -143,18 +143,18 @@ class Scope:
             self.local[key] = ref
             _stats.record_hit(nbytes)
             if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("refshare: hit  %d bytes, key %s", nbytes, key.hex()[:12])
+                logger.debug("hit  %d bytes, key %s", nbytes, key.hex()[:12])
             return ref
         try:
             ref = ray.put(value)
         except Exception:
             # Ray by value gives the user the error they would get without refshare.
-            logger.debug("refshare: ray.put failed; sending by value", exc_info=True)
+            logger.debug("ray.put failed; sending by value", exc_info=True)
             _stats.record_by_value()
             return fallback
         _stats.record_put(nbytes)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("refshare: put  %d bytes, key %s", nbytes, key.hex()[:12])
+            logger.debug("put  %d bytes, key %s", nbytes, key.hex()[:12])
         if self.cache is not None:
             ref = self.cache.setdefault(key, ref, nbytes)
         self.local[key] = ref

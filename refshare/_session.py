@@ -6,16 +6,16 @@ import ray
 
 
 def current_session() -> tuple[str, str] | None:
-    """Name the connected Ray session and job, or return ``None`` when Ray is not running.
+    """Name the connected Ray session, or return ``None`` when Ray is not running.
 
-    Refs die with the session that made them. The job id alone repeats across sessions
-    (every new local cluster starts at job 1), and the session name alone repeats when a
-    driver reconnects to the same cluster, so the pair is the key.
+    Refs die with the driver connection that made them. The job id alone repeats across
+    sessions (every new cluster starts at job 1), and the node id alone repeats when a
+    driver reconnects to the same cluster; the pair is unique to one connection.
     """
     if not ray.is_initialized():
         return None
     context = ray.get_runtime_context()
-    return context.get_session_name(), context.get_job_id()
+    return context.get_node_id(), context.get_job_id()
 
 
 def local_object_store_bytes() -> int | None:
