@@ -91,7 +91,7 @@ def _digest_tensor(t: Any) -> Key | None:
     if t.requires_grad and not t.is_leaf:
         raise Unfingerprintable("non-leaf tensor")  # not picklable: Ray raises by value
     storage = t.untyped_storage()
-    raw = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    raw: Any = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
     head = _tagged(
         type(t).__qualname__,
         str(t.dtype),
