@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import pickle
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -105,7 +106,30 @@ def _digest_tensor(t: Any) -> Key | None:
 
 
 def _tensor_stamp(t: Any) -> object:
-    return t._version
+    """Changes with every in-place operation torch records, or a swap of the storage."""
+    return t._version, t.data_ptr()
+
+
+def _ndarray_stamp(arr: Any) -> object:
+    """A stamp for an array nothing can write to, else ``None`` (no way to tell a change).
+
+    Frozen means read-only all the way down: the array, every array it is a view of, and
+    the buffer at the bottom (an array returned by ``ray.get``, or one over ``bytes``).
+    """
+    import numpy as np
+
+    node = arr
+    while isinstance(node, np.ndarray):
+        if node.flags.writeable:
+            return None
+        node = node.base
+    if node is not None:
+        try:
+            if not memoryview(node).readonly:
+                return None
+        except TypeError:
+            return None
+    return "frozen"
 
 
 def _tensor_nbytes(t: Any) -> int:
@@ -126,6 +150,7 @@ _leaf_digests: dict[type, Callable[[Any], Key | None]] = {
     str: _digest_str,
     memoryview: _digest_memoryview,
 }
+#: How to tell that an object may have changed since it was hashed (see ``leaf_digest``).
 _stamps: dict[type, Callable[[Any], object]] = {}
 _user_fingerprints: dict[type, FingerprintFn] = {}
 
@@ -135,6 +160,7 @@ def _register_numpy() -> None:
 
     _sizes.setdefault(np.ndarray, lambda a: int(a.nbytes))
     _leaf_digests[np.ndarray] = _digest_ndarray  # exact type only: subclasses may carry state
+    _stamps[np.ndarray] = _ndarray_stamp
     for scalar in (np.generic,):
         _sizes.setdefault(scalar, lambda s: int(s.nbytes))
 
@@ -322,10 +348,11 @@ class _FingerprintPickler(pickle.Pickler):
     """Pickles only to hash: out-of-band buffers are hashed where they lie, and arrays,
     tensors and registered types are replaced by their own digests."""
 
-    def __init__(self, memo: Memo) -> None:
+    def __init__(self, memo: Memo, reuse: bool) -> None:
         self.stream = _HashFile()
         self.buffers = xxhash.xxh3_128(b"buffers", SEED)
         self.digests = memo
+        self.reuse = reuse
         super().__init__(self.stream, protocol=5, buffer_callback=self._hash_buffer)
 
     def _hash_buffer(self, buffer: pickle.PickleBuffer) -> None:
@@ -337,7 +364,7 @@ class _FingerprintPickler(pickle.Pickler):
         cls = type(obj)
         leaf = _leaf_for(cls)
         if leaf is not None:
-            digest = leaf_digest(obj, leaf, self.digests)
+            digest = leaf_digest(obj, leaf, self.digests, self.reuse)
             return NotImplemented if digest is None else (_from_digest, (digest,))
         user = _user_fingerprint_for(cls) if _user_fingerprints else None
         if user is not None:
@@ -350,36 +377,72 @@ class _FingerprintPickler(pickle.Pickler):
         return head.digest()
 
 
-def leaf_digest(obj: object, leaf: Callable[[Any], Key | None], memo: Memo | None) -> Key | None:
-    """Digest ``obj`` with ``leaf``, at most once per ``memo`` unless its stamp moved."""
-    if memo is None:
-        return leaf(obj)
+#: Digests of unchanged objects, across calls, for ``reuse=True``: id -> (weakref, stamp,
+#: digest). The weakref both proves the object is the one hashed (ids are recycled) and
+#: removes the entry when the object dies.
+_seen: dict[int, tuple[weakref.ref[Any], object, Key]] = {}
+
+
+def _remember(obj: object, stamp: object, digest: Key) -> None:
+    obj_id = id(obj)
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        entry = _seen.get(obj_id)
+        if entry is not None and entry[0] is ref:
+            del _seen[obj_id]
+
+    _seen[obj_id] = (weakref.ref(obj, forget), stamp, digest)
+
+
+def leaf_digest(
+    obj: object, leaf: Callable[[Any], Key | None], memo: Memo | None, reuse: bool = False
+) -> Key | None:
+    """Digest ``obj`` with ``leaf``, reusing an earlier digest where that is safe.
+
+    Within one call (``memo``) an object is hashed once unless its stamp moved: a torch
+    tensor's version counter catches in-place updates; a writeable numpy array is trusted
+    not to change between two ``.remote()`` of the same call. With ``reuse``, the digest
+    is also kept across calls for objects whose stamp proves them unchanged: tensors whose
+    version has not moved and read-only ("frozen") arrays.
+    """
     stamp_fn = _stamps.get(type(obj))
     stamp = stamp_fn(obj) if stamp_fn is not None else None
-    entry = memo.get(id(obj))
-    if entry is not None and entry[0] is obj and entry[1] == stamp:
-        return entry[2]
+    if memo is not None:
+        entry = memo.get(id(obj))
+        if entry is not None and entry[0] is obj and entry[1] == stamp:
+            return entry[2]
+    if reuse and stamp is not None:
+        seen = _seen.get(id(obj))
+        if seen is not None and seen[0]() is obj and seen[1] == stamp:
+            if memo is not None:
+                memo[id(obj)] = (obj, stamp, seen[2])
+            return seen[2]
     digest = leaf(obj)
-    if digest is not None:
+    if digest is None:
+        return None
+    if memo is not None:
         memo[id(obj)] = (obj, stamp, digest)
+    if reuse and stamp is not None:
+        _remember(obj, stamp, digest)
     return digest
 
 
-def fingerprint(obj: object, memo: Memo | None = None) -> Key | None:
+def fingerprint(obj: object, memo: Memo | None = None, reuse: bool = False) -> Key | None:
     """Return a key that is equal for two values exactly when Ray would send equal data.
 
     The key covers the type, dtype, shape, layout and every byte, hashed with seeded
     xxh3-128. Arrays, tensors, bytes and strings are hashed in place; anything else goes
     through a pickle protocol-5 pass that hashes instead of storing. Returns ``None`` for
-    values that cannot be fingerprinted: they go to Ray by value.
+    values that cannot be fingerprinted: they go to Ray by value. ``memo`` and ``reuse``
+    are explained in :func:`leaf_digest`.
     """
     try:
         leaf = _leaf_for(type(obj))
         if leaf is not None:
-            digest = leaf_digest(obj, leaf, memo)
+            digest = leaf_digest(obj, leaf, memo, reuse)
             if digest is not None:
                 return digest
-        pickler = _FingerprintPickler(memo if memo is not None else {})
+        pickler = _FingerprintPickler(memo if memo is not None else {}, reuse)
         pickler.dump(obj)
         return pickler.key()
     except RecursionError:

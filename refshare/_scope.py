@@ -50,10 +50,14 @@ def _disabled_by_env() -> bool:
 class Options:
     """Validated options of one decorator or ``sharing`` block."""
 
-    __slots__ = ("cache", "enabled", "min_bytes")
+    __slots__ = ("cache", "enabled", "min_bytes", "reuse_fingerprints")
 
     def __init__(
-        self, min_bytes: int | None = None, cache: CacheOption = True, enabled: bool = True
+        self,
+        min_bytes: int | None = None,
+        cache: CacheOption = True,
+        enabled: bool = True,
+        reuse_fingerprints: bool = False,
     ) -> None:
         if min_bytes is None:
             min_bytes = DEFAULT_MIN_BYTES
@@ -69,6 +73,9 @@ class Options:
             )
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled={enabled!r}: pass True or False")
+        if not isinstance(reuse_fingerprints, bool):
+            raise TypeError(f"reuse_fingerprints={reuse_fingerprints!r}: pass True or False")
+        self.reuse_fingerprints = reuse_fingerprints
         self.min_bytes = min_bytes
         self.cache: RefCache | None = (
             _process_cache if cache is True else (cache if isinstance(cache, RefCache) else None)
@@ -83,11 +90,12 @@ class Scope:
     put once per scope even when no cache is used or the value exceeds the cache budget.
     """
 
-    __slots__ = ("cache", "local", "memo", "min_bytes", "session")
+    __slots__ = ("cache", "local", "memo", "min_bytes", "reuse", "session")
 
     def __init__(self, options: Options) -> None:
         self.min_bytes = options.min_bytes
         self.cache = options.cache
+        self.reuse = options.reuse_fingerprints
         self.memo: Memo = {}
         self.local: dict[Key, Any] = {}
         self.session: tuple[str, str] | None = None
@@ -132,7 +140,7 @@ class Scope:
 
     def put(self, value: Any, nbytes: int, fallback: Any) -> Any:
         """The ref for ``value``'s content: found in the scope or cache, or put now."""
-        key = fingerprint(value, self.memo)
+        key = fingerprint(value, self.memo, self.reuse)
         if key is None:
             _stats.record_by_value()
             return fallback
@@ -183,8 +191,9 @@ class sharing:
         min_bytes: int | None = None,
         cache: CacheOption = True,
         enabled: bool = True,
+        reuse_fingerprints: bool = False,
     ) -> None:
-        self._options = Options(min_bytes, cache, enabled)
+        self._options = Options(min_bytes, cache, enabled, reuse_fingerprints)
         self._tokens: list[Token[SubmitScope | None]] = []
 
     def __enter__(self) -> sharing:
@@ -235,7 +244,11 @@ def shared_args(func: _F, /) -> _F: ...
 
 @overload
 def shared_args(
-    *, min_bytes: int | None = None, cache: CacheOption = True, enabled: bool = True
+    *,
+    min_bytes: int | None = None,
+    cache: CacheOption = True,
+    enabled: bool = True,
+    reuse_fingerprints: bool = False,
 ) -> Callable[[_F], _F]: ...
 
 
@@ -246,6 +259,7 @@ def shared_args(
     min_bytes: int | None = None,
     cache: CacheOption = True,
     enabled: bool = True,
+    reuse_fingerprints: bool = False,
 ) -> _F | Callable[[_F], _F]:
     """Share the large arguments of every Ray call the decorated function submits.
 
@@ -260,11 +274,17 @@ def shared_args(
         cache: ``True`` for the process-wide cache, ``False`` to share within one call
             only, or a :class:`RefCache` of your own.
         enabled: ``False`` makes the decorator a pass-through.
+        reuse_fingerprints: skip hashing objects refshare has hashed before and can tell
+            are unchanged: torch tensors whose version counter has not moved, and numpy
+            arrays that are read-only all the way down (like those ``ray.get`` returns).
+            You promise not to change such memory behind torch's or numpy's back (through
+            ``.numpy()``/``.data``/DLPack views of a tensor, or by making a frozen array
+            writeable again); refshare could then send the old content.
 
     Use bare (``@shared_args``) or with options (``@shared_args(min_bytes=1 << 20)``).
     Options are checked here, when decorating.
     """
-    decorate = _make_decorator(Options(min_bytes, cache, enabled))
+    decorate = _make_decorator(Options(min_bytes, cache, enabled, reuse_fingerprints))
     return decorate if func is None else decorate(func)
 
 

@@ -174,3 +174,57 @@ def test_registered_fingerprint_and_size() -> None:
     assert fingerprint(TensorDictLike({"x": x}, 10)) != fingerprint(TensorDictLike({"x": x}, 5))
     with pytest.raises(TypeError, match="takes a class"):
         refshare.register_fingerprint("not a class", len)  # type: ignore[arg-type]
+
+
+def frozen(values: np.ndarray) -> np.ndarray:
+    values.flags.writeable = False
+    return values
+
+
+def test_reuse_skips_rehashing_frozen_arrays_only() -> None:
+    a = frozen(np.arange(1000.0))
+    first = fingerprint(a, reuse=True)
+    # Break the promise on purpose: change a frozen array behind numpy's back.
+    a.flags.writeable = True
+    a[0] = -1.0
+    a.flags.writeable = False
+    assert fingerprint(a, reuse=True) == first  # the reused (stale) digest: what was promised
+    assert fingerprint(a) != first  # without reuse, the change is seen
+
+    writeable = np.arange(1000.0)
+    before = fingerprint(writeable, reuse=True)
+    writeable[0] = -1.0
+    assert fingerprint(writeable, reuse=True) != before
+
+
+def test_a_read_only_view_of_a_writeable_array_is_not_frozen() -> None:
+    base = np.arange(1000.0)
+    view = frozen(base[:])
+    before = fingerprint(view, reuse=True)
+    base[0] = -1.0
+    assert fingerprint(view, reuse=True) != before
+    over_bytes = np.frombuffer(b"\x01" * 8000, dtype=np.float64)
+    assert refshare._fingerprint._ndarray_stamp(over_bytes) == "frozen"
+    over_bytearray = frozen(np.frombuffer(bytearray(8000), dtype=np.float64))
+    assert refshare._fingerprint._ndarray_stamp(over_bytearray) is None
+
+
+def test_reuse_never_matches_a_recycled_id() -> None:
+    for i in range(200):
+        temporary = frozen(np.full(100, float(i)))
+        assert fingerprint(temporary, reuse=True) == fingerprint(temporary.copy())
+        del temporary
+    assert len(refshare._fingerprint._seen) < 10  # entries leave with their objects
+
+
+def test_tensor_keys_follow_storage_layout_and_version() -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.arange(1000, dtype=torch.bfloat16).reshape(10, 100)
+    assert fingerprint(t) == fingerprint(t.clone())
+    assert fingerprint(t) != fingerprint(t.float())
+    assert fingerprint(t.t()) != fingerprint(t.t().contiguous())  # stride is sent as is
+    assert fingerprint(t[::2]) != fingerprint(t[::2].clone())  # a view sends its storage
+    before = fingerprint(t, reuse=True)
+    t.add_(1)  # in place: the version counter moves, so reuse hashes again
+    assert fingerprint(t, reuse=True) != before
+    assert fingerprint(torch.nn.Parameter(t.float())) != fingerprint(t.float())
