@@ -4,7 +4,7 @@ from ._cache import RefCache
 from ._fingerprint import estimate_size, fingerprint, register_fingerprint, register_size
 from ._patch import install, is_installed, uninstall
 from ._scope import clear, share, shared_args, sharing
-from ._stats import Stats, reset_stats, stats
+from ._stats import Stats, enable_metrics, reset_stats, stats
 
 __version__ = "0.1.0"
 
@@ -13,6 +13,7 @@ __all__ = [
     "Stats",
     "__version__",
     "clear",
+    "enable_metrics",
     "estimate_size",
     "fingerprint",
     "install",

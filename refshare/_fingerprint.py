@@ -255,31 +255,25 @@ def _leaf_for(cls: type) -> Callable[[Any], Key | None] | None:
 
 
 class _Sizing:
+    """One walk over an argument's members, with a visit budget and cycle guard."""
+
     __slots__ = ("budget", "limit", "seen", "total")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.total = 0
         self.budget = SIZE_VISIT_BUDGET
-        self.seen: set[int] = set()
+        self.seen: set[int] | None = None  # made on the first container
 
     def add(self, obj: object) -> None:
         self.budget -= 1
-        cls = type(obj)
-        if cls in _SCALARS:
-            self.total += SCALAR_BYTES
-            return
-        if cls is bytes or cls is str or cls is bytearray:
-            self.total += len(obj)  # type: ignore[arg-type]
-            return
-        try:
-            size = _size_dispatch[cls]
-        except KeyError:
-            size = _size_dispatch[cls] = _resolve(_sizes, cls)
+        size = _leaf_size(obj)
         if size is not None:
-            self.total += size(obj)
+            self.total += size
             return
-        if id(obj) in self.seen:
+        if self.seen is None:
+            self.seen = set()
+        elif id(obj) in self.seen:
             return
         self.seen.add(id(obj))
         if isinstance(obj, dict):
@@ -302,6 +296,20 @@ class _Sizing:
             self.add(item)
 
 
+def _leaf_size(obj: object) -> int | None:
+    """The size of a scalar, string or buffer-backed value; ``None`` for anything else."""
+    cls = type(obj)
+    if cls in _SCALARS:
+        return SCALAR_BYTES
+    if cls is bytes or cls is str or cls is bytearray:
+        return len(obj)  # type: ignore[arg-type]
+    try:
+        size = _size_dispatch[cls]
+    except KeyError:
+        size = _size_dispatch[cls] = _resolve(_sizes, cls)
+    return None if size is None else size(obj)
+
+
 def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
     """Estimate the bytes ``obj`` serializes to, without serializing it.
 
@@ -313,7 +321,7 @@ def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
     try:
         sizing.add(obj)
     except RecursionError:
-        pass
+        pass  # nested too deeply to walk: what was seen so far is the lower bound
     except Exception:
         logger.debug("could not size %s", type(obj).__qualname__, exc_info=True)
         return 0

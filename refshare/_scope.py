@@ -11,6 +11,7 @@ from typing import Any, TypeVar, cast, overload
 
 import ray
 import wrapt
+from ray import ObjectRef
 
 from . import _stats
 from ._cache import RefCache
@@ -106,20 +107,24 @@ class Scope:
         Returns the very same objects when nothing was replaced, so Ray sees no copy.
         """
         new_args = args
-        if args:
-            shared = [self.share(value) for value in args]
-            if any(new is not old for new, old in zip(shared, args, strict=False)):
-                new_args = shared
+        for index, value in enumerate(args or ()):
+            shared = self.share(value)
+            if shared is not value:
+                if new_args is args:
+                    new_args = list(args)
+                new_args[index] = shared
         new_kwargs = kwargs
-        if kwargs:
-            shared_kw = {name: self.share(value) for name, value in kwargs.items()}
-            if any(shared_kw[name] is not value for name, value in kwargs.items()):
-                new_kwargs = shared_kw
+        for name, value in (kwargs or {}).items():
+            shared = self.share(value)
+            if shared is not value:
+                if new_kwargs is kwargs:
+                    new_kwargs = dict(kwargs)
+                new_kwargs[name] = shared
         return new_args, new_kwargs
 
     def share(self, value: Any) -> Any:
         """Return a ref for ``value`` if it is large and shareable, else ``value`` itself."""
-        if type(value) in _SMALL_TYPES or isinstance(value, ray.ObjectRef):
+        if type(value) in _SMALL_TYPES or isinstance(value, ObjectRef):
             return value
         nbytes = estimate_size(value, self.min_bytes)
         if nbytes < self.min_bytes:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class Stats(NamedTuple):
@@ -29,11 +29,40 @@ _counts = [0] * len(Stats._fields)
 _PUTS, _HITS, _BYTES_PUT, _BYTES_SAVED, _EVICTIONS, _BY_VALUE = range(len(Stats._fields))
 
 
+#: Ray metric counters, one per field, once :func:`enable_metrics` was called.
+_metrics: list[Any] | None = None
+
+
+def enable_metrics(enabled: bool = True) -> None:
+    """Also export refshare's counters as Ray metrics (``ray.util.metrics.Counter``).
+
+    They appear on Ray's metrics endpoint and dashboard as ``refshare_puts``,
+    ``refshare_hits``, ``refshare_bytes_put``, ``refshare_bytes_saved``,
+    ``refshare_evictions`` and ``refshare_by_value``, counted from the moment they are on.
+    """
+    global _metrics
+    if not enabled:
+        _metrics = None
+        return
+    from ray.util.metrics import Counter
+
+    descriptions = (Stats.__doc__ or "").split("\n")[0]
+    _metrics = [
+        Counter(f"refshare_{field}", description=f"{field}: {descriptions}")
+        for field in Stats._fields
+    ]
+
+
 def _add(index: int, nbytes_index: int | None = None, nbytes: int = 0) -> None:
     with _lock:
         _counts[index] += 1
         if nbytes_index is not None:
             _counts[nbytes_index] += nbytes
+    metrics = _metrics
+    if metrics is not None:
+        metrics[index].inc()
+        if nbytes_index is not None and nbytes > 0:
+            metrics[nbytes_index].inc(nbytes)
 
 
 def record_put(nbytes: int) -> None:
