@@ -29,6 +29,15 @@ _counts = [0] * len(Stats._fields)
 _PUTS, _HITS, _BYTES_PUT, _BYTES_SAVED, _EVICTIONS, _BY_VALUE = range(len(Stats._fields))
 
 
+_DESCRIPTIONS = {
+    "puts": "Values refshare stored with ray.put",
+    "hits": "Arguments sent as an existing ref instead of being serialized again",
+    "bytes_put": "Bytes refshare stored with ray.put",
+    "bytes_saved": "Bytes not serialized again thanks to a hit",
+    "evictions": "Refs dropped to keep a cache within its budget",
+    "by_value": "Large arguments refshare could not share, sent by value",
+}
+
 #: Ray metric counters, one per field, once :func:`enable_metrics` was called.
 _metrics: list[Any] | None = None
 
@@ -46,10 +55,8 @@ def enable_metrics(enabled: bool = True) -> None:
         return
     from ray.util.metrics import Counter
 
-    descriptions = (Stats.__doc__ or "").split("\n")[0]
     _metrics = [
-        Counter(f"refshare_{field}", description=f"{field}: {descriptions}")
-        for field in Stats._fields
+        Counter(f"refshare_{field}", description=_DESCRIPTIONS[field]) for field in Stats._fields
     ]
 
 
