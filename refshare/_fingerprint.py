@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import sys
@@ -18,6 +19,9 @@ logger = logging.getLogger("refshare")
 Key = bytes
 SizeFn = Callable[[Any], int]
 FingerprintFn = Callable[[Any], Any]
+#: A stamp that changes when an object changes, and whether the object is frozen (see
+#: ``leaf_digest``); ``None`` where refshare has no cheap way to tell.
+Stamp = tuple[object, bool] | None
 #: What the per-call memo holds for one object: the object itself (so its ``id()`` cannot be
 #: recycled while the memo lives), a stamp that changes when it is mutated, and its digest.
 MemoEntry = tuple[object, object, Key]
@@ -87,12 +91,12 @@ def _digest_tensor(t: Any) -> Key | None:
     """Hash what pickling a CPU tensor sends: its whole storage, offset, size and stride."""
     import torch
 
-    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_nested:
         raise Unfingerprintable(f"{t.device.type} {t.layout} tensor")  # as Ray sends it
     if t.requires_grad and not t.is_leaf:
         raise Unfingerprintable("non-leaf tensor")  # not picklable: Ray raises by value
-    storage = t.untyped_storage()
-    raw: Any = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    if any(getattr(t, "names", None) or ()) or getattr(t, "__dict__", None):
+        raise Unfingerprintable("tensor with names or attributes")  # rare: by value
     head = _tagged(
         type(t).__qualname__,
         str(t.dtype),
@@ -100,36 +104,78 @@ def _digest_tensor(t: Any) -> Key | None:
         t.stride(),
         t.storage_offset(),
         t.requires_grad,
-        storage.nbytes(),
+        t.is_conj(),
+        t.is_neg(),
+        t.untyped_storage().nbytes(),
     )
-    return _combine(head, digest_buffer(memoryview(raw)))
+    return _combine(head, digest_buffer(memoryview(_storage_bytes(t))))
 
 
-def _tensor_stamp(t: Any) -> object:
-    """Changes with every in-place operation torch records, or a swap of the storage."""
-    return t._version, t.data_ptr()
+def _storage_bytes(t: Any) -> Any:
+    """The tensor's whole storage as a flat uint8 numpy array, without a copy."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
 
 
-def _ndarray_stamp(arr: Any) -> object:
-    """A stamp for an array nothing can write to, else ``None`` (no way to tell a change).
+# -- stamps: telling cheaply that an object hashed before may have changed ---------------
 
-    Frozen means read-only all the way down: the array, every array it is a view of, and
-    the buffer at the bottom (an array returned by ``ray.get``, or one over ``bytes``).
-    """
+#: How many evenly spaced elements a spot check reads (4 KiB of float64).
+SPOT_CHECK_ELEMENTS = 512
+
+
+@functools.lru_cache(maxsize=64)
+def _spot_index(size: int) -> Any:
+    import numpy as np
+
+    return np.unique(np.linspace(0, size - 1, min(size, SPOT_CHECK_ELEMENTS)).astype(np.intp))
+
+
+def _spot_check(arr: Any) -> int:
+    """Digest of a sample of ``arr``'s elements: all of a small array, 512 of a large one."""
+    if arr.size == 0:
+        return 0
+    if arr.flags.c_contiguous:
+        sample = arr.reshape(-1)[_spot_index(arr.size)]
+    elif arr.flags.f_contiguous:
+        sample = arr.T.reshape(-1)[_spot_index(arr.size)]
+    else:
+        sample = arr.flat[_spot_index(arr.size)]
+    return xxhash.xxh3_64_intdigest(sample.view("u1").tobytes(), SEED)
+
+
+def _is_frozen(arr: Any) -> bool:
+    """Read-only all the way down: the array, every array it is a view of, and the buffer at
+    the bottom (an array returned by ``ray.get``, or one over ``bytes``)."""
     import numpy as np
 
     node = arr
     while isinstance(node, np.ndarray):
         if node.flags.writeable:
-            return None
+            return False
         node = node.base
-    if node is not None:
-        try:
-            if not memoryview(node).readonly:
-                return None
-        except TypeError:
-            return None
-    return "frozen"
+    if node is None:
+        return True
+    try:
+        return memoryview(node).readonly
+    except TypeError:
+        return False
+
+
+def _ndarray_stamp(arr: Any) -> Stamp:
+    if arr.dtype.hasobject:
+        return None
+    where = (arr.__array_interface__["data"][0], arr.shape, arr.strides, arr.dtype)
+    return (where, _spot_check(arr)), _is_frozen(arr)
+
+
+def _tensor_stamp(t: Any) -> Stamp:
+    """Torch's version counter catches its own in-place operations; the spot check, most
+    writes through ``.numpy()`` or ``.data`` views, which the counter does not see."""
+    if t.device.type != "cpu":
+        return None
+    where = (t._version, t.data_ptr(), tuple(t.shape), t.stride())
+    return (where, _spot_check(_storage_bytes(t))), True
 
 
 def _tensor_nbytes(t: Any) -> int:
@@ -151,7 +197,7 @@ _leaf_digests: dict[type, Callable[[Any], Key | None]] = {
     memoryview: _digest_memoryview,
 }
 #: How to tell that an object may have changed since it was hashed (see ``leaf_digest``).
-_stamps: dict[type, Callable[[Any], object]] = {}
+_stamps: dict[type, Callable[[Any], Stamp]] = {}
 _user_fingerprints: dict[type, FingerprintFn] = {}
 
 
@@ -284,9 +330,12 @@ class _Sizing:
             self.total += obj.nbytes
         else:
             state = getattr(obj, "__dict__", None)
+            slots = _slot_names(type(obj))
             if isinstance(state, dict):
                 self.add_all(state.values())
-            else:
+            if slots:
+                self.add_all(getattr(obj, name) for name in slots if hasattr(obj, name))
+            elif not isinstance(state, dict):
                 self.total += sys.getsizeof(obj, SCALAR_BYTES)
 
     def add_all(self, items: Any) -> None:
@@ -294,6 +343,24 @@ class _Sizing:
             if self.total >= self.limit or self.budget <= 0:
                 return
             self.add(item)
+
+
+_slots: dict[type, tuple[str, ...]] = {}
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The ``__slots__`` members of ``cls`` and its bases (a slotted dataclass has no
+    ``__dict__``)."""
+    names = _slots.get(cls)
+    if names is None:
+        found: dict[str, None] = {}
+        for base in cls.__mro__:
+            slots = base.__dict__.get("__slots__", ())
+            found.update(dict.fromkeys((slots,) if isinstance(slots, str) else slots))
+        found.pop("__dict__", None)
+        found.pop("__weakref__", None)
+        names = _slots[cls] = tuple(found)
+    return names
 
 
 def _leaf_size(obj: object) -> int | None:
@@ -407,19 +474,24 @@ def leaf_digest(
 ) -> Key | None:
     """Digest ``obj`` with ``leaf``, reusing an earlier digest where that is safe.
 
-    Within one call (``memo``) an object is hashed once unless its stamp moved: a torch
-    tensor's version counter catches in-place updates; a writeable numpy array is trusted
-    not to change between two ``.remote()`` of the same call. With ``reuse``, the digest
-    is also kept across calls for objects whose stamp proves them unchanged: tensors whose
-    version has not moved and read-only ("frozen") arrays.
+    Within one call (``memo``), an array or tensor hashed before is not hashed again while
+    its stamp holds: same memory, shape and strides, same torch version counter, and the
+    same content at 512 evenly spaced elements (a spot check of a few KiB). With ``reuse``,
+    digests are also kept across calls for frozen objects under the same stamp: tensors,
+    and numpy arrays read-only down to their buffer. Bytes and strings are immutable but
+    cannot be weakly referenced, so they are hashed each time they are seen.
     """
     stamp_fn = _stamps.get(type(obj))
-    stamp = stamp_fn(obj) if stamp_fn is not None else None
+    stamped = stamp_fn(obj) if stamp_fn is not None else None
+    if stamped is None:
+        return leaf(obj)
+    stamp, frozen = stamped
     if memo is not None:
         entry = memo.get(id(obj))
         if entry is not None and entry[0] is obj and entry[1] == stamp:
             return entry[2]
-    if reuse and stamp is not None:
+    reuse = reuse and frozen
+    if reuse:
         seen = _seen.get(id(obj))
         if seen is not None and seen[0]() is obj and seen[1] == stamp:
             if memo is not None:
@@ -430,7 +502,7 @@ def leaf_digest(
         return None
     if memo is not None:
         memo[id(obj)] = (obj, stamp, digest)
-    if reuse and stamp is not None:
+    if reuse:
         _remember(obj, stamp, digest)
     return digest
 

@@ -126,12 +126,12 @@ class Scope:
         """Return a ref for ``value`` if it is large and shareable, else ``value`` itself."""
         if type(value) in _SMALL_TYPES or isinstance(value, ObjectRef):
             return value
-        nbytes = estimate_size(value, self.min_bytes)
-        if nbytes < self.min_bytes:
+        if estimate_size(value, self.min_bytes) < self.min_bytes:
             return value
         if not self.ready():
             return value  # Ray is not running yet: it starts on this very call
-        return self.put(value, nbytes, fallback=value)
+        # Sized again in full (the first estimate stops at min_bytes) for stats and budget.
+        return self.put(value, estimate_size(value), fallback=value)
 
     def ready(self) -> bool:
         """Whether Ray is running; binds the cache to its session the first time."""

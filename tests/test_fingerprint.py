@@ -181,15 +181,21 @@ def frozen(values: np.ndarray) -> np.ndarray:
     return values
 
 
-def test_reuse_skips_rehashing_frozen_arrays_only() -> None:
-    a = frozen(np.arange(1000.0))
-    first = fingerprint(a, reuse=True)
-    # Break the promise on purpose: change a frozen array behind numpy's back.
+def break_the_promise(a: np.ndarray, index: int) -> None:
+    """Change a frozen array behind numpy's back, which reuse_fingerprints rules out."""
     a.flags.writeable = True
-    a[0] = -1.0
+    a[index] = -1.0
     a.flags.writeable = False
-    assert fingerprint(a, reuse=True) == first  # the reused (stale) digest: what was promised
+
+
+def test_reuse_skips_rehashing_frozen_arrays_only() -> None:
+    a = frozen(np.arange(1_000_000.0))
+    first = fingerprint(a, reuse=True)
+    break_the_promise(a, 1)  # an element the spot check does not read
+    assert fingerprint(a, reuse=True) == first  # reused without hashing, as promised
     assert fingerprint(a) != first  # without reuse, the change is seen
+    break_the_promise(a, 0)  # an element the spot check reads: hashed again
+    assert fingerprint(a, reuse=True) == fingerprint(a) != first
 
     writeable = np.arange(1000.0)
     before = fingerprint(writeable, reuse=True)
@@ -204,9 +210,9 @@ def test_a_read_only_view_of_a_writeable_array_is_not_frozen() -> None:
     base[0] = -1.0
     assert fingerprint(view, reuse=True) != before
     over_bytes = np.frombuffer(b"\x01" * 8000, dtype=np.float64)
-    assert refshare._fingerprint._ndarray_stamp(over_bytes) == "frozen"
+    assert refshare._fingerprint._is_frozen(over_bytes)
     over_bytearray = frozen(np.frombuffer(bytearray(8000), dtype=np.float64))
-    assert refshare._fingerprint._ndarray_stamp(over_bytearray) is None
+    assert not refshare._fingerprint._is_frozen(over_bytearray)
 
 
 def test_reuse_never_matches_a_recycled_id() -> None:

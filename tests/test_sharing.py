@@ -315,3 +315,18 @@ def test_inline_threshold_arguments_are_untouched_when_disabled(workers: list[An
     off(np.zeros(300_000))
     assert refshare.stats() == refshare.Stats()
     assert os.environ.get("REFSHARE_DISABLE") in (None, "", "0")
+
+
+def test_a_buffer_refilled_between_submissions_is_sent_anew(workers: list[Any]) -> None:
+    @refshare.shared_args
+    def refill_per_worker() -> list[Any]:
+        buffer = np.empty(100_000)
+        calls = []
+        for i, w in enumerate(workers):
+            buffer[:] = float(i)  # by value, each worker would get its own fill
+            calls.append(w.receive.remote(buffer))
+        return ray.get(calls)
+
+    results = refill_per_worker()
+    assert [r[0][0][5] for r in results] == [100_000.0 * i for i in range(N_WORKERS)]
+    assert refshare.stats().puts == N_WORKERS
