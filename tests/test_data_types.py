@@ -1,0 +1,441 @@
+"""The data types RL frameworks send, shared on a real Ray and checked from the outside.
+
+For each type: workers receive exactly what Ray by value gives them (type, dtype, shape,
+strides, flags, bytes), the content is the driver's, and ``refshare.stats()`` shows one put
+per distinct value and a hit for every repeat.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from collections import UserDict
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+import refshare
+
+pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
+
+N_PROBES = 3
+MiB = 1 << 20
+
+
+# -- what a worker saw --------------------------------------------------------------------
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def describe(value: Any, layout: bool = True) -> Any:
+    """Type, dtype, shape and a digest of the values; with ``layout``, strides and flags too."""
+    torch = sys.modules.get("torch")
+    name = type(value).__qualname__
+    if torch is not None and isinstance(value, torch.Tensor):
+        plain = value.detach().resolve_conj().resolve_neg().contiguous()
+        content = (name, str(value.dtype), tuple(value.shape), value.requires_grad)
+        extra = describe(dict(vars(value)), layout) if vars(value) else None
+        bytes_ = plain.reshape(-1).view(torch.uint8).numpy().tobytes()
+        if layout:
+            content += (value.stride(), value.storage_offset(), value.is_contiguous())
+        return ("tensor", *content, extra, _digest(bytes_))
+    if isinstance(value, np.ndarray):
+        content = (name, value.dtype.str, value.shape)
+        if layout:
+            flags = value.flags
+            content += (value.strides, flags.c_contiguous, flags.f_contiguous, flags.writeable)
+        return ("ndarray", *content, _digest(np.ascontiguousarray(value).tobytes()))
+    if isinstance(value, dict):
+        state = describe(dict(vars(value)), layout) if hasattr(value, "__dict__") else None
+        return (name, [(k, describe(v, layout)) for k, v in value.items()], state)
+    if isinstance(value, (list, tuple)):
+        return (name, [describe(v, layout) for v in value])
+    if is_dataclass(value):
+        return (name, [(f.name, describe(getattr(value, f.name), layout)) for f in fields(value)])
+    if hasattr(value, "__dict__"):
+        return (name, describe(dict(vars(value)), layout))
+    return (name, value)
+
+
+@ray.remote(num_cpus=0.1)
+class Probe:
+    def describe(self, value: Any) -> tuple[Any, Any]:
+        return describe(value), describe(value, layout=False)
+
+
+@pytest.fixture(scope="module")
+def probes(local_ray: None) -> list[Any]:
+    group = [Probe.remote() for _ in range(N_PROBES)]
+    ray.get([p.describe.remote(0) for p in group])
+    return group
+
+
+def send(probes: list[Any], *values: Any) -> list[Any]:
+    """Each value to every probe."""
+    return ray.get([p.describe.remote(v) for v in values for p in probes])
+
+
+shared_send = refshare.shared_args(send)
+
+
+def check(probes: list[Any], *values: Any, puts: int, hits: int) -> None:
+    """Send ``values`` shared, then by value; compare, and count refshare's puts and hits."""
+    shared = shared_send(probes, *values)
+    stats = refshare.stats()
+    by_value = send(probes, *values)
+    assert shared == by_value
+    expected = [describe(v, layout=False) for v in values for _ in probes]
+    assert [content for _, content in shared] == expected
+    assert (stats.puts, stats.hits, stats.by_value) == (puts, hits, 0), stats
+
+
+def received(probes: list[Any], value: Any) -> Any:
+    """What the first probe sees of ``value`` sent alone, by value."""
+    return ray.get(probes[0].describe.remote(value))[0]
+
+
+# -- numpy --------------------------------------------------------------------------------
+
+
+def numpy_batch(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "input_ids": rng.integers(0, 32_000, (256, 512), dtype=np.int64),  # 1 MiB
+        "logprobs": rng.standard_normal((256, 512), dtype=np.float32),
+        "mask": rng.random((256, 512)) > 0.5,
+        "rewards": rng.standard_normal(256),
+    }
+
+
+def test_dict_of_numpy_arrays(probes: list[Any]) -> None:
+    batch = numpy_batch()
+    # Equal content in another dict: found again. Other content: a put of its own.
+    check(probes, batch, copy.deepcopy(batch), numpy_batch(1), puts=2, hits=3 * N_PROBES - 2)
+
+
+def test_non_contiguous_numpy_arrays(probes: list[Any]) -> None:
+    a = np.random.default_rng(0).standard_normal((512, 1024), dtype=np.float32)  # 2 MiB
+    views = [a, a.T, np.asfortranarray(a), a[:, ::2], a[::2], a[::-1]]
+    check(probes, *views, a[:, ::2], puts=len(views), hits=len(views) * 2 + 3)
+
+
+def test_lists_of_numpy_shards(probes: list[Any]) -> None:
+    data = np.arange(3 * 64 * 1024, dtype=np.float64).reshape(3 * 64, 1024)
+    shards = np.array_split(data, N_PROBES)  # 512 KiB views
+
+    check(probes, shards, puts=1, hits=N_PROBES - 1)  # the list as one argument
+
+    @refshare.shared_args
+    def rank_i_gets_shard_i(rounds: int) -> list[Any]:
+        pairs = list(zip(probes, shards, strict=True)) * rounds
+        return ray.get([p.describe.remote(s) for p, s in pairs])
+
+    refshare.reset_stats()
+    results = rank_i_gets_shard_i(2)
+    assert [content for _, content in results] == [describe(s, False) for s in shards] * 2
+    assert refshare.stats()[:2] == (N_PROBES, N_PROBES)  # puts, hits
+
+
+class BatchedDataDict(dict[str, Any]):
+    """Like NeMo-RL's: a dict of arrays with a batch dimension, and state of its own."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.micro_batch_indices: list[int] | None = None
+
+    @property
+    def size(self) -> int:
+        return len(next(iter(self.values())))
+
+
+class UserBatchedDataDict(UserDict[str, Any]):
+    """The same on UserDict, which NeMo-RL's BatchedDataDict is built on."""
+
+
+@pytest.mark.parametrize("cls", [BatchedDataDict, UserBatchedDataDict])
+def test_batched_data_dict(probes: list[Any], cls: type) -> None:
+    batch = cls(numpy_batch())
+    seen = received(probes, batch)
+    assert seen[0] == cls.__qualname__
+    check(probes, batch, cls(numpy_batch()), puts=1, hits=2 * N_PROBES - 1)
+
+
+def test_batched_data_dict_state_is_part_of_the_content(probes: list[Any]) -> None:
+    first, second = BatchedDataDict(numpy_batch()), BatchedDataDict(numpy_batch())
+    second.micro_batch_indices = [0, 128, 256]
+    check(probes, first, second, puts=2, hits=2 * (N_PROBES - 1))
+    assert received(probes, second)[2] == describe({"micro_batch_indices": [0, 128, 256]})
+
+
+# -- torch --------------------------------------------------------------------------------
+
+
+def torch_batch(seed: int = 0) -> dict[str, Any]:
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, 32_000, (256, 512), generator=generator),  # 1 MiB
+        "logprobs": torch.randn(256, 512, generator=generator),
+        "mask": torch.rand(256, 512, generator=generator) > 0.5,
+        "value_head": torch.nn.Parameter(torch.randn(512, 512, generator=generator)),
+        "rewards": torch.randn(256, generator=generator, requires_grad=True),
+    }
+
+
+def test_dict_of_torch_tensors(probes: list[Any]) -> None:
+    batch = torch_batch()
+    assert received(probes, batch)[1][3][1][1] == "Parameter"
+    check(probes, batch, copy.deepcopy(batch), torch_batch(1), puts=2, hits=3 * N_PROBES - 2)
+
+
+def test_batched_data_dict_of_tensors(probes: list[Any]) -> None:
+    check(probes, BatchedDataDict(torch_batch()), puts=1, hits=N_PROBES - 1)
+
+
+@dataclass
+class Rollout:
+    tokens: Any
+    logprobs: Any
+    advantages: Any
+    step: int
+
+
+def test_dataclass_of_tensors(probes: list[Any]) -> None:
+    torch = pytest.importorskip("torch")
+    rollout = Rollout(
+        tokens=torch.randint(0, 32_000, (128, 1024)),  # 1 MiB
+        logprobs=torch.randn(128, 1024),
+        advantages=torch.randn(128),
+        step=3,
+    )
+    later = copy.copy(rollout)
+    later.step = 4  # same tensors, other metadata: other content
+    assert received(probes, rollout)[0] == "Rollout"
+    check(probes, rollout, copy.deepcopy(rollout), later, puts=2, hits=3 * N_PROBES - 2)
+
+
+def test_lists_of_tensor_shards(probes: list[Any]) -> None:
+    torch = pytest.importorskip("torch")
+    data = torch.arange(3 * 64 * 1024, dtype=torch.float64).reshape(3 * 64, 1024)
+    shards = list(torch.chunk(data, N_PROBES))  # views: each pickles the whole storage
+    check(probes, shards, puts=1, hits=N_PROBES - 1)
+    refshare.reset_stats()
+    check(probes, *shards, puts=N_PROBES, hits=N_PROBES * (N_PROBES - 1))
+
+
+def test_bfloat16_tensors(probes: list[Any]) -> None:
+    torch = pytest.importorskip("torch")
+    weights = torch.randn(1024, 1024).to(torch.bfloat16)  # 2 MiB
+    same_bytes = weights.view(torch.float16)  # equal bytes, another dtype: another value
+    assert received(probes, weights)[2] == "torch.bfloat16"
+    check(probes, weights, weights.clone(), same_bytes, puts=2, hits=3 * N_PROBES - 2)
+
+
+def test_non_contiguous_tensors(probes: list[Any]) -> None:
+    torch = pytest.importorskip("torch")
+    base = torch.randn(512, 1024)  # 2 MiB
+    views = [base, base.T, base[:, ::2], base[::2], base[1:], base.T.contiguous()]
+    assert received(probes, base.T)[7] is False  # not contiguous: Ray keeps the strides
+    check(probes, *views, base[::2], puts=len(views), hits=len(views) * 2 + 3)
+
+
+def test_a_tensor_changed_in_place_between_calls_is_sent_anew(probes: list[Any]) -> None:
+    torch = pytest.importorskip("torch")
+    weights = torch.zeros(512, 1024)
+    check(probes, weights, puts=1, hits=N_PROBES - 1)
+    weights.add_(1.0)
+    refshare.reset_stats()
+    check(probes, weights, puts=1, hits=N_PROBES - 1)
+
+
+def test_a_tensor_changed_in_place_within_one_call_is_sent_anew(probes: list[Any]) -> None:
+    torch = pytest.importorskip("torch")
+    weights = torch.zeros(512, 1024)
+
+    @refshare.shared_args
+    def two_steps() -> list[Any]:
+        first = send(probes, weights)
+        weights[0].fill_(1.0)  # through a view: the tensor's version counter moves too
+        return first + send(probes, weights)
+
+    seen = [content for _, content in two_steps()]
+    expected_first = describe(torch.zeros(512, 1024), False)
+    assert seen == [expected_first] * N_PROBES + [describe(weights, False)] * N_PROBES
+    assert refshare.stats()[:2] == (2, 2 * (N_PROBES - 1))
+
+
+# -- a registered user type ---------------------------------------------------------------
+
+
+class _TensorDictBase:
+    """Like tensordict.TensorDict: named tensors with a common leading batch size."""
+
+    def __init__(self, tensors: dict[str, Any], batch_size: tuple[int, ...]) -> None:
+        self.tensors = tensors
+        self.batch_size = batch_size
+
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.tensors.values())
+
+
+class RegisteredTensorDict(_TensorDictBase):
+    pass
+
+
+class PlainTensorDict(_TensorDictBase):
+    """The same type, never registered."""
+
+
+def tensordicts(cls: type[_TensorDictBase]) -> list[_TensorDictBase]:
+    torch = pytest.importorskip("torch")
+    obs, action = torch.randn(256, 1024), torch.randn(256, 8)  # 1 MiB + 8 KiB
+    return [
+        cls({"obs": obs, "action": action}, (256,)),
+        cls({"obs": obs.clone(), "action": action.clone()}, (256,)),  # equal content
+        cls({"obs": obs, "action": action}, (256, 1)),  # other batch size: other content
+    ]
+
+
+def test_a_registered_tensordict_like_type(probes: list[Any]) -> None:
+    refshare.register_fingerprint(
+        RegisteredTensorDict,
+        lambda td: (td.tensors, td.batch_size),
+        size=RegisteredTensorDict.nbytes,
+    )
+    values = tensordicts(RegisteredTensorDict)
+    assert refshare.estimate_size(values[0]) == values[0].nbytes()
+    assert received(probes, values[0])[0] == "RegisteredTensorDict"
+    check(probes, *values, puts=2, hits=len(values) * N_PROBES - 2)
+
+
+def test_the_same_type_unregistered_still_arrives_intact(probes: list[Any]) -> None:
+    values = tensordicts(PlainTensorDict)
+    shared = shared_send(probes, *values)
+    stats = refshare.stats()
+    assert shared == send(probes, *values)
+    assert [c for _, c in shared] == [describe(v, False) for v in values for _ in probes]
+    # Fingerprinted by pickling, or else sent by value: never a wrong ref.
+    assert (stats.puts, stats.hits) == (2, 7) or stats.by_value == len(values) * N_PROBES
+
+
+# -- torch stays unimported ---------------------------------------------------------------
+
+NO_TORCH_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import numpy as np
+    import ray
+
+    import refshare
+
+    assert "torch" not in sys.modules, "import refshare"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+    @ray.remote(num_cpus=0.1)
+    def total(batch):
+        return float(batch["x"].sum())
+
+    @refshare.shared_args
+    def fan_out(batch):
+        return ray.get([total.remote(batch) for _ in range(2)])
+
+    batch = {"x": np.ones(1 << 18), "y": np.zeros((256, 256), dtype=np.float32)}
+    assert fan_out(batch) == [float(1 << 18)] * 2
+    stats = refshare.stats()
+    assert (stats.puts, stats.hits) == (1, 1), stats
+    ray.shutdown()
+    assert "torch" not in sys.modules, sorted(m for m in sys.modules if "torch" in m)
+    print("torch never imported")
+    """
+)
+
+
+def test_sharing_numpy_does_not_import_torch() -> None:
+    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", NO_TORCH_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-5000:]
+    assert "torch never imported" in result.stdout
+
+
+# -- cases that once sent stale or wrong data ----------------------------------------------
+
+
+def test_a_numpy_array_changed_in_place_within_one_call_is_sent_anew(probes: list[Any]) -> None:
+    weights = np.zeros((512, 256))  # 1 MiB
+
+    @refshare.shared_args
+    def two_steps() -> list[Any]:
+        first = send(probes, weights)
+        weights[:] += 1.0
+        return first + send(probes, weights)
+
+    seen = [content for _, content in two_steps()]
+    expected_first = describe(np.zeros((512, 256)), False)
+    assert seen == [expected_first] * N_PROBES + [describe(weights, False)] * N_PROBES
+
+
+def test_a_tensor_written_through_numpy_within_one_call_is_sent_anew(probes: list[Any]) -> None:
+    torch = pytest.importorskip("torch")
+    weights = torch.zeros(512, 512)
+
+    @refshare.shared_args
+    def two_steps() -> list[Any]:
+        first = send(probes, weights)
+        weights.numpy()[:] = 1.0
+        return first + send(probes, weights)
+
+    seen = [content for _, content in two_steps()]
+    expected_first = describe(torch.zeros(512, 512), False)
+    assert seen == [expected_first] * N_PROBES + [describe(weights, False)] * N_PROBES
+
+
+def test_a_conjugate_view_is_not_its_base(probes: list[Any]) -> None:
+    torch = pytest.importorskip("torch")
+    z = torch.randn(256, 512, dtype=torch.complex64)  # 1 MiB
+    check(probes, z, z.conj(), puts=2, hits=2 * N_PROBES - 2)
+
+
+def test_python_attributes_of_a_tensor_are_part_of_its_content(probes: list[Any]) -> None:
+    torch = pytest.importorskip("torch")
+    plain = torch.randn(512, 512)
+    tagged = plain.clone()
+    tagged.role = "reference"  # rare enough that refshare sends such a tensor by value
+    assert shared_send(probes, plain, tagged) == send(probes, plain, tagged)
+    stats = refshare.stats()
+    assert (stats.puts, stats.hits, stats.by_value) == (1, N_PROBES - 1, N_PROBES), stats
+
+
+def test_bytes_put_and_saved_count_a_whole_container(probes: list[Any]) -> None:
+    batch = numpy_batch()
+    shared_send(probes, batch)
+    total = sum(array.nbytes for array in batch.values())
+    stats = refshare.stats()
+    assert (stats.bytes_put, stats.bytes_saved) == (total, total * (N_PROBES - 1)), stats
+
+
+@dataclass(slots=True)
+class SlottedRollout:
+    tokens: Any
+    step: int
+
+
+def test_a_slotted_dataclass_of_arrays_is_shared(probes: list[Any]) -> None:
+    rollout = SlottedRollout(np.zeros((256, 512)), step=1)  # 1 MiB
+    check(probes, rollout, puts=1, hits=N_PROBES - 1)

@@ -1,0 +1,88 @@
+"""Every script in examples/ runs to the end on its own local Ray and prints refshare.stats().
+
+Each example checks its own results with asserts, so exit code 0 means they held. Examples
+run as subprocesses: each starts (and stops) a Ray of its own, apart from the suite's. They
+run a few at a time, started when the first test of this module asks for its result.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = sorted(p for p in EXAMPLES_DIR.glob("*.py") if not p.name.startswith("_"))
+#: What ``print(refshare.stats())`` writes.
+STATS_LINE = re.compile(r"^Stats\(puts=\d+, hits=\d+, .*\)$", re.MULTILINE)
+TIMEOUT_S = 180
+#: How many examples run at once: most of an example's time is Ray starting and stopping.
+CONCURRENCY = 2
+
+#: Runs an example with ``import torch`` failing, as on a machine without torch.
+WITHOUT_TORCH = (
+    "import runpy, sys; sys.modules['torch'] = None; "
+    "sys.argv = [sys.argv[1]]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def run_example(path: Path, *, without_torch: bool = False) -> subprocess.CompletedProcess[str]:
+    # RAY_ADDRESS=local: start a new Ray even if one from `ray start` is running nearby.
+    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
+    command = [sys.executable, str(path)]
+    if without_torch:
+        command = [sys.executable, "-c", WITHOUT_TORCH, str(path)]
+    return subprocess.run(
+        command,
+        cwd=EXAMPLES_DIR.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+
+
+#: (example, without torch) for every run the tests below check.
+RUNS = [(p, False) for p in EXAMPLES] + [
+    (p, True) for p in EXAMPLES if "torch" in p.read_text(encoding="utf-8")
+]
+
+
+@pytest.fixture(scope="module")
+def runs() -> Iterator[dict[tuple[Path, bool], Future[subprocess.CompletedProcess[str]]]]:
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        yield {
+            (path, no_torch): pool.submit(run_example, path, without_torch=no_torch)
+            for path, no_torch in RUNS
+        }
+
+
+def check(result: subprocess.CompletedProcess[str]) -> None:
+    output = f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, output
+    assert STATS_LINE.search(result.stdout), output
+
+
+def test_examples_exist() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {"nemo_style.py", "verl_style.py", "multi_group.py"} <= names, names
+
+
+@pytest.mark.parametrize(
+    ("path", "without_torch"),
+    RUNS,
+    ids=[p.name + (" without torch" if no_torch else "") for p, no_torch in RUNS],
+)
+def test_example_runs(
+    runs: dict[tuple[Path, bool], Future[subprocess.CompletedProcess[str]]],
+    path: Path,
+    without_torch: bool,
+) -> None:
+    check(runs[path, without_torch].result())
