@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import pickle
 import sys
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -78,12 +80,18 @@ def _ndarray_layout(arr: Any) -> tuple[str, Any]:
     return "N", np.ascontiguousarray(arr).reshape(-1).view("u1")
 
 
+@functools.lru_cache(maxsize=256)
+def _dtype_token(dtype: Any) -> bytes:
+    """Equal dtypes, however spelled (``newbyteorder``, structured, subarray), pickle alike."""
+    return pickle.dumps(dtype, protocol=5)
+
+
 def _digest_ndarray(arr: Any) -> Key | None:
     if arr.dtype.hasobject:
         return None  # pickled element by element: the generic pass handles it
     order, flat = _ndarray_layout(arr)
     strides = arr.strides if order == "N" else None
-    head = _tagged("ndarray", repr(arr.dtype), arr.dtype.str, arr.shape, order, strides)
+    head = _tagged("ndarray", _dtype_token(arr.dtype), arr.shape, order, strides)
     return _combine(head, digest_buffer(memoryview(flat)))
 
 
@@ -144,22 +152,31 @@ def _spot_check(arr: Any) -> int:
     return xxhash.xxh3_64_intdigest(sample.view("u1").tobytes(), SEED)
 
 
+#: Buffers nobody can write to: what a frozen array may rest on.
+_IMMUTABLE_BUFFERS = frozenset({"builtins.bytes", "ray._raylet.Buffer", "ray._raylet.SubBuffer"})
+
+
 def _is_frozen(arr: Any) -> bool:
-    """Read-only all the way down: the array, every array it is a view of, and the buffer at
-    the bottom (an array returned by ``ray.get``, or one over ``bytes``)."""
+    """Read-only all the way down: the array, every array or memoryview it is a view of,
+    and the buffer at the bottom, which must be immutable (``bytes``, or the object-store
+    buffer under an array that ``ray.get`` returned)."""
     import numpy as np
 
     node = arr
-    while isinstance(node, np.ndarray):
-        if node.flags.writeable:
-            return False
-        node = node.base
-    if node is None:
-        return True
-    try:
-        return memoryview(node).readonly
-    except TypeError:
-        return False
+    while True:
+        if isinstance(node, np.ndarray):
+            if node.flags.writeable:
+                return False
+            if node.base is None:
+                return True  # owns its memory, marked read-only by its owner
+            node = node.base
+        elif isinstance(node, memoryview):
+            if not node.readonly:
+                return False
+            node = node.obj
+        else:
+            cls = type(node)
+            return f"{cls.__module__}.{cls.__qualname__}" in _IMMUTABLE_BUFFERS
 
 
 def _ndarray_stamp(arr: Any) -> Stamp:
@@ -406,6 +423,32 @@ def _from_user_fingerprint(*parts: object) -> None:
     """Stands in a fingerprint pass for a registered type's normalized form; never called."""
 
 
+def _from_class(*parts: object) -> None:
+    """Stands in a fingerprint pass for a class Ray sends by value; never called."""
+
+
+def _sent_by_value(obj: Any) -> bool:
+    """Whether Ray's cloudpickle sends this class or function as code, not by name: so a
+    redefinition (a notebook cell run again) is a different value under the same name."""
+    return obj.__module__ == "__main__" or "<locals>" in obj.__qualname__
+
+
+_class_serial = itertools.count()
+#: Classes sent as code, each with a serial number; held, so their ids are never recycled.
+_class_tokens: dict[int, tuple[type, int]] = {}
+
+
+def _class_token(cls: type) -> int:
+    """A number for this very class object: a class redefined under the same name differs.
+
+    Functions sent as code are not fingerprinted at all (their globals travel with them),
+    but a class is keyed by identity, so instances of a class defined in a script share."""
+    entry = _class_tokens.get(id(cls))
+    if entry is None or entry[0] is not cls:
+        entry = _class_tokens[id(cls)] = (cls, next(_class_serial))
+    return entry[1]
+
+
 class _HashFile:
     """A write-only file that hashes what the pickler writes, and holds nothing."""
 
@@ -444,6 +487,10 @@ class _FingerprintPickler(pickle.Pickler):
         user = _user_fingerprint_for(cls) if _user_fingerprints else None
         if user is not None:
             return _from_user_fingerprint, (f"{cls.__module__}.{cls.__qualname__}", user(obj))
+        if (cls is type or cls is types.FunctionType) and _sent_by_value(obj):
+            if cls is types.FunctionType:
+                raise Unfingerprintable(f"function {obj.__qualname__} is sent as code")
+            return _from_class, (obj.__qualname__, _class_token(obj))
         return NotImplemented
 
     def key(self) -> Key:

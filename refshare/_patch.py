@@ -36,16 +36,21 @@ TARGETS: tuple[tuple[str, str, str], ...] = (
 _EXPECTED_PARAMETERS = ["self", "args", "kwargs"]
 
 
-def _rewrite_call(scope: SubmitScope, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Return ``(args, kwargs)`` for ``_remote`` with the task's arguments shared."""
-    task_args = args[0] if len(args) > 0 else kwargs.get("args")
-    task_kwargs = args[1] if len(args) > 1 else kwargs.get("kwargs")
+def _rewrite_call(
+    scope: SubmitScope, args: tuple[Any, ...], kwargs: dict[str, Any], skip: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Return ``(args, kwargs)`` for ``_remote`` with the task's arguments shared.
+
+    ``skip`` is 1 when ``self`` is among ``args`` (the method was called through the class).
+    """
+    task_args = args[skip] if len(args) > skip else kwargs.get("args")
+    task_kwargs = args[skip + 1] if len(args) > skip + 1 else kwargs.get("kwargs")
     new_args, new_kwargs = scope.rewrite(task_args, task_kwargs)
     if new_args is task_args and new_kwargs is task_kwargs:
         return args, kwargs
     positional = list(args)
     kwargs = dict(kwargs)
-    for index, name, value in ((0, "args", new_args), (1, "kwargs", new_kwargs)):
+    for index, name, value in ((skip, "args", new_args), (skip + 1, "kwargs", new_kwargs)):
         if len(positional) > index:
             positional[index] = value
         elif value is not None:
@@ -53,26 +58,45 @@ def _rewrite_call(scope: SubmitScope, args: tuple[Any, ...], kwargs: dict[str, A
     return tuple(positional), kwargs
 
 
-def _submit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-    """The wrapper on each target; outside a scope it is one context-variable lookup."""
-    scope = active_scope.get()
-    if scope is None or not _installed:
-        return wrapped(*args, **kwargs)
-    try:
-        args, kwargs = _rewrite_call(scope, args, kwargs)
-    except Exception:  # never break a call that works by value
-        logger.debug("submitting by value after an internal error", exc_info=True)
-    return wrapped(*args, **kwargs)
+def _make_submit(owner: type) -> Callable[[Callable[..., Any], Any, Any, Any], Any]:
+    """The wrapper for ``owner._remote``; outside a scope it is one context-variable lookup."""
+
+    def submit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+        scope = active_scope.get()
+        if scope is None or not _installed:
+            return wrapped(*args, **kwargs)
+        skip = 1 if instance is None and args and isinstance(args[0], owner) else 0
+        try:
+            shared_args, shared_kwargs = _rewrite_call(scope, args, kwargs, skip)
+        except Exception:  # never break a call that works by value
+            logger.debug("submitting by value after an internal error", exc_info=True)
+            return wrapped(*args, **kwargs)
+        if shared_args is args and shared_kwargs is kwargs:
+            return wrapped(*args, **kwargs)
+        try:
+            return wrapped(*shared_args, **shared_kwargs)
+        except Exception:
+            # Ray refused a ref (say, one from a session restarted inside this call): the
+            # call goes by value, and raises exactly what it raises without refshare.
+            logger.debug("Ray refused the shared arguments; submitting by value", exc_info=True)
+            return wrapped(*args, **kwargs)
+
+    return submit
 
 
 class _Patch:
-    __slots__ = ("attribute", "cls", "original", "wrapper")
+    __slots__ = ("attribute", "cls", "left_on_top", "original", "wrapper")
 
     def __init__(self, cls: type, attribute: str, original: Any) -> None:
         self.cls = cls
         self.attribute = attribute
         self.original = original
-        self.wrapper = wrapt.FunctionWrapper(original, _submit)
+        self.wrapper = wrapt.FunctionWrapper(original, _make_submit(cls))
+        #: What another library had put on top of refshare's wrapper at uninstall().
+        self.left_on_top: Any = None
+
+    def current(self) -> Any:
+        return self.cls.__dict__.get(self.attribute)
 
 
 _lock = threading.Lock()
@@ -137,7 +161,9 @@ def install() -> bool:
                 return False
             _patches.extend(_Patch(cls, name, original) for cls, name, original in targets)
         for patch in _patches:
-            if not _in_chain(patch.cls.__dict__.get(patch.attribute), patch.wrapper):
+            current = patch.current()
+            buried = current is patch.left_on_top or _in_chain(current, patch.wrapper)
+            if not buried:
                 setattr(patch.cls, patch.attribute, patch.wrapper)
         _installed = True
         return True
@@ -153,8 +179,12 @@ def uninstall() -> None:
     with _lock:
         _auto_installed = True  # an explicit uninstall is not undone by the next scope
         for patch in _patches:
-            if patch.cls.__dict__.get(patch.attribute) is patch.wrapper:
+            current = patch.current()
+            if current is patch.wrapper:
                 setattr(patch.cls, patch.attribute, patch.original)
+                patch.left_on_top = None
+            elif current is not patch.original:
+                patch.left_on_top = current  # ours lies beneath: it passes calls through
         _installed = False
 
 

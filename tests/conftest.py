@@ -27,6 +27,7 @@ def start_local_ray() -> None:
     """Start the suite's local Ray unless one is already running."""
     if not ray.is_initialized():
         ray.init(
+            address="local",
             num_cpus=NUM_CPUS,
             object_store_memory=OBJECT_STORE_BYTES,
             include_dashboard=False,
