@@ -1,0 +1,131 @@
+"""A small object store and a stream of distinct large arguments far beyond the cache budget:
+the cache stays within budget and evicts, and every worker still receives the right data."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+from conftest import start_local_ray
+from reliability_kit import MiB, assert_cache_consistent, marked, sinks, summary
+
+import refshare
+from refshare._scope import process_cache
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh")]
+
+STORE = 200 * MiB
+BUDGET = 50 * MiB
+ITEM = 16 * MiB
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[list[Any]]:
+    """Two workers on a local Ray whose object store is only 200 MiB."""
+    ray.shutdown()
+    ray.init(
+        address="local",  # a new local cluster, never one found on the machine
+        num_cpus=2,
+        object_store_memory=STORE,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    yield sinks(2)
+    ray.shutdown()
+    start_local_ray()
+
+
+def test_a_stream_far_beyond_the_budget(group: list[Any]) -> None:
+    cache = refshare.RefCache(max_bytes=BUDGET)
+
+    @refshare.shared_args(cache=cache)
+    def send(data: Any) -> list[Any]:
+        return ray.get([w.apply.remote(summary, data) for w in group], timeout=60)
+
+    for marker in range(40):  # 640 MiB in all: 13 budgets, 3 object stores
+        data = marked(marker, ITEM)
+        assert send(data) == [summary(data)] * 2
+        assert cache.nbytes <= cache.max_bytes == BUDGET
+    stats = refshare.stats()
+    assert (stats.puts, stats.hits) == (40, 40)
+    assert stats.evictions == 40 - BUDGET // ITEM
+    assert len(cache) == BUDGET // ITEM
+    assert_cache_consistent(cache)
+
+    # An evicted content is put again; the most recent one is still shared.
+    for marker, puts in ((0, 41), (39, 41)):
+        data = marked(marker, ITEM)
+        assert send(data) == [summary(data)] * 2
+        assert refshare.stats().puts == puts
+
+
+def test_eviction_while_tasks_are_in_flight_loses_nothing(group: list[Any]) -> None:
+    cache = refshare.RefCache(max_bytes=BUDGET)
+
+    @refshare.shared_args(cache=cache)
+    def submit(worker: Any, data: Any) -> Any:
+        return worker.later.remote(0.3, summary, data)  # the worker reads it only later
+
+    expected, pending = [], []
+    for marker in range(10):
+        data = marked(100 + marker, ITEM)
+        expected.append(summary(data))
+        pending.append(submit(group[marker % 2], data))
+        del data
+    gc.collect()
+    # Most refs were evicted (and the driver dropped its arrays) before any worker read them.
+    assert refshare.stats().evictions == 10 - BUDGET // ITEM
+    assert ray.get(pending, timeout=120) == expected
+    assert_cache_consistent(cache)
+
+
+def test_one_call_with_more_than_the_budget_in_flight(group: list[Any]) -> None:
+    cache = refshare.RefCache(max_bytes=BUDGET)
+
+    @refshare.shared_args(cache=cache)
+    def many(arrays: list[Any]) -> list[Any]:
+        refs = [group[i % 2].later.remote(0.1, summary, a) for i, a in enumerate(arrays)]
+        refs += [group[i % 2].apply.remote(summary, a) for i, a in enumerate(arrays)]
+        return ray.get(refs, timeout=120)
+
+    arrays = [marked(200 + i, ITEM) for i in range(8)]
+    assert many(arrays) == [summary(a) for a in arrays] * 2
+    stats = refshare.stats()
+    # Each content put once in the call, even the ones the cache had already evicted.
+    assert (stats.puts, stats.hits) == (8, 8)
+    assert cache.nbytes <= BUDGET
+    assert_cache_consistent(cache)
+
+
+def test_a_value_larger_than_the_budget_is_shared_within_the_call_only(
+    group: list[Any],
+) -> None:
+    cache = refshare.RefCache(max_bytes=BUDGET)
+    big = marked(7, 64 * MiB)
+
+    @refshare.shared_args(cache=cache)
+    def send(data: Any) -> list[Any]:
+        return ray.get([w.apply.remote(summary, data) for w in group], timeout=60)
+
+    assert send(big) == [summary(big)] * 2
+    assert send(big) == [summary(big)] * 2
+    assert len(cache) == 0 and cache.nbytes == 0
+    assert refshare.stats()[:2] == (2, 2)  # puts, hits: once per call, never cached
+
+
+def test_the_process_cache_takes_a_quarter_of_this_store(group: list[Any]) -> None:
+    @refshare.shared_args
+    def send(data: Any) -> Any:
+        return ray.get(group[0].apply.remote(summary, data), timeout=60)
+
+    cache = process_cache()
+    for marker in range(8):
+        data = marked(300 + marker, ITEM)
+        assert send(data) == summary(data)
+        assert cache.nbytes <= cache.max_bytes == STORE // 4
+    assert refshare.stats().evictions == 8 - (STORE // 4) // ITEM
+    assert_cache_consistent(cache)
