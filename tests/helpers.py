@@ -78,3 +78,15 @@ class Worker:
 @ray.remote(num_cpus=0.1)
 def receive(*args: Any, **kwargs: Any) -> Any:
     return describe((args, kwargs))
+
+
+@ray.remote(num_cpus=0.1)
+class Controller:
+    """A worker group driven from inside an actor, as RL trainers often are."""
+
+    def broadcast(self, group: list[Any], batch: Any) -> Any:
+        import refshare
+
+        with refshare.sharing():  # a decorator on this method would not survive shipping
+            received = ray.get([w.receive.remote(batch) for w in group])
+        return received, tuple(refshare.stats())

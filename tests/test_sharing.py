@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
-from helpers import Payload, Worker, count_payload_serializations, receive
+from helpers import Controller, Payload, Worker, count_payload_serializations, receive
 
 import refshare
 
@@ -330,3 +330,12 @@ def test_a_buffer_refilled_between_submissions_is_sent_anew(workers: list[Any]) 
     results = refill_per_worker()
     assert [r[0][0][5] for r in results] == [100_000.0 * i for i in range(N_WORKERS)]
     assert refshare.stats().puts == N_WORKERS
+
+
+def test_sharing_inside_an_actor(workers: list[Any]) -> None:
+    controller = Controller.remote()
+    batch = np.arange(100_000.0)
+    received, stats = ray.get(controller.broadcast.remote(workers, batch))
+    assert received == fan_out(workers, batch)
+    assert stats[:2] == (1, N_WORKERS - 1)  # puts, hits, counted in the actor's process
+    ray.kill(controller)
