@@ -87,8 +87,9 @@ class Options:
 class Scope:
     """One decorated call or ``sharing`` block: shares the arguments of what it submits.
 
-    The memo lets each object be hashed once per scope, and ``local`` lets each content be
-    put once per scope even when no cache is used or the value exceeds the cache budget.
+    The memo lets an object sent again be reused without hashing while its stamp holds (see
+    ``leaf_digest``), and ``local`` lets each content be put once per scope even when no
+    cache is used or the value exceeds the cache budget.
     """
 
     __slots__ = ("cache", "local", "memo", "min_bytes", "reuse", "session")
