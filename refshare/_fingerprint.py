@@ -21,9 +21,11 @@ logger = logging.getLogger("refshare")
 Key = bytes
 SizeFn = Callable[[Any], int]
 FingerprintFn = Callable[[Any], Any]
-#: A stamp that changes when an object changes, and whether the object is frozen (see
-#: ``leaf_digest``); ``None`` where refshare has no cheap way to tell.
-Stamp = tuple[object, bool] | None
+#: How far an object's digest may be kept across calls (see ``leaf_digest``).
+NEVER, PROMISED, ALWAYS = 0, 1, 2
+#: A stamp that changes when an object changes, and how far the object can be trusted not
+#: to change; ``None`` where refshare has no cheap way to tell.
+Stamp = tuple[object, int] | None
 #: What the per-call memo holds for one object: the object itself (so its ``id()`` cannot be
 #: recycled while the memo lives), a stamp that changes when it is mutated, and its digest.
 MemoEntry = tuple[object, object, Key]
@@ -152,38 +154,43 @@ def _spot_check(arr: Any) -> int:
     return xxhash.xxh3_64_intdigest(sample.view("u1").tobytes(), SEED)
 
 
-#: Buffers nobody can write to: what a frozen array may rest on.
+#: Buffers nobody can write to: what an immutable array rests on.
 _IMMUTABLE_BUFFERS = frozenset({"builtins.bytes", "ray._raylet.Buffer", "ray._raylet.SubBuffer"})
 
 
-def _is_frozen(arr: Any) -> bool:
-    """Read-only all the way down: the array, every array or memoryview it is a view of,
-    and the buffer at the bottom, which must be immutable (``bytes``, or the object-store
-    buffer under an array that ``ray.get`` returned)."""
+def _array_trust(arr: Any) -> int:
+    """How far an array can be trusted not to change.
+
+    ``ALWAYS`` when it is read-only all the way down to an immutable buffer (``bytes``, or
+    the object-store buffer under an array ``ray.get`` returned): numpy refuses to make any
+    array in that chain writeable again. ``PROMISED`` when it owns its memory and is marked
+    read-only: its owner could flip the flag back, which ``reuse_fingerprints`` rules out.
+    """
     import numpy as np
 
     node = arr
     while True:
         if isinstance(node, np.ndarray):
             if node.flags.writeable:
-                return False
+                return NEVER
             if node.base is None:
-                return True  # owns its memory, marked read-only by its owner
+                return PROMISED
             node = node.base
         elif isinstance(node, memoryview):
             if not node.readonly:
-                return False
+                return NEVER
             node = node.obj
         else:
             cls = type(node)
-            return f"{cls.__module__}.{cls.__qualname__}" in _IMMUTABLE_BUFFERS
+            immutable = f"{cls.__module__}.{cls.__qualname__}" in _IMMUTABLE_BUFFERS
+            return ALWAYS if immutable else NEVER
 
 
 def _ndarray_stamp(arr: Any) -> Stamp:
     if arr.dtype.hasobject:
         return None
     where = (arr.__array_interface__["data"][0], arr.shape, arr.strides, arr.dtype)
-    return (where, _spot_check(arr)), _is_frozen(arr)
+    return (where, _spot_check(arr)), _array_trust(arr)
 
 
 def _tensor_stamp(t: Any) -> Stamp:
@@ -192,7 +199,7 @@ def _tensor_stamp(t: Any) -> Stamp:
     if t.device.type != "cpu":
         return None
     where = (t._version, t.data_ptr(), tuple(t.shape), t.stride())
-    return (where, _spot_check(_storage_bytes(t))), True
+    return (where, _spot_check(_storage_bytes(t))), PROMISED
 
 
 def _tensor_nbytes(t: Any) -> int:
@@ -523,21 +530,23 @@ def leaf_digest(
 
     Within one call (``memo``), an array or tensor hashed before is not hashed again while
     its stamp holds: same memory, shape and strides, same torch version counter, and the
-    same content at 512 evenly spaced elements (a spot check of a few KiB). With ``reuse``,
-    digests are also kept across calls for frozen objects under the same stamp: tensors,
-    and numpy arrays read-only down to their buffer. Bytes and strings are immutable but
-    cannot be weakly referenced, so they are hashed each time they are seen.
+    same content at 512 evenly spaced elements (a spot check of a few KiB). Across calls,
+    digests are kept under the same stamp for arrays that cannot change (read-only down to
+    an immutable buffer) and, with ``reuse``, for objects the user promises not to change
+    behind numpy's or torch's back: tensors, and read-only arrays owning their memory.
+    Bytes and strings are immutable but cannot be weakly referenced, so they are hashed
+    each time they are seen.
     """
     stamp_fn = _stamps.get(type(obj))
     stamped = stamp_fn(obj) if stamp_fn is not None else None
     if stamped is None:
         return leaf(obj)
-    stamp, frozen = stamped
+    stamp, trust = stamped
     if memo is not None:
         entry = memo.get(id(obj))
         if entry is not None and entry[0] is obj and entry[1] == stamp:
             return entry[2]
-    reuse = reuse and frozen
+    reuse = trust == ALWAYS or (reuse and trust == PROMISED)
     if reuse:
         seen = _seen.get(id(obj))
         if seen is not None and seen[0]() is obj and seen[1] == stamp:

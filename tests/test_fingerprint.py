@@ -209,10 +209,22 @@ def test_a_read_only_view_of_a_writeable_array_is_not_frozen() -> None:
     before = fingerprint(view, reuse=True)
     base[0] = -1.0
     assert fingerprint(view, reuse=True) != before
-    over_bytes = np.frombuffer(b"\x01" * 8000, dtype=np.float64)
-    assert refshare._fingerprint._is_frozen(over_bytes)
+    trust = refshare._fingerprint._array_trust
     over_bytearray = frozen(np.frombuffer(bytearray(8000), dtype=np.float64))
-    assert not refshare._fingerprint._is_frozen(over_bytearray)
+    assert trust(over_bytearray) == refshare._fingerprint.NEVER
+    assert trust(frozen(np.zeros(10))) == refshare._fingerprint.PROMISED
+
+
+def test_arrays_over_immutable_buffers_are_hashed_once_without_asking() -> None:
+    data = np.arange(1_000_000.0).tobytes()
+    a = np.frombuffer(data, dtype=np.float64)[::2]  # a view of a view of bytes
+    assert refshare._fingerprint._array_trust(a) == refshare._fingerprint.ALWAYS
+    with pytest.raises(ValueError):
+        a.flags.writeable = True  # numpy itself forbids it: nothing can change this array
+    first = fingerprint(a)
+    entry = refshare._fingerprint._seen[id(a)]
+    assert entry[0]() is a and entry[2] == first
+    assert fingerprint(a) == first
 
 
 def test_reuse_never_matches_a_recycled_id() -> None:

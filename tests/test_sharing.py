@@ -339,3 +339,12 @@ def test_sharing_inside_an_actor(workers: list[Any]) -> None:
     assert received == fan_out(workers, batch)
     assert stats[:2] == (1, N_WORKERS - 1)  # puts, hits, counted in the actor's process
     ray.kill(controller)
+
+
+def test_arrays_from_ray_get_are_immutable_and_hashed_once(workers: list[Any]) -> None:
+    rollout = ray.get(ray.put(np.arange(200_000.0)))  # read-only, over the object store
+    assert refshare._fingerprint._array_trust(rollout) == refshare._fingerprint.ALWAYS
+    assert shared_fan_out(workers, rollout) == fan_out(workers, rollout)
+    assert id(rollout) in refshare._fingerprint._seen
+    shared_fan_out(workers, rollout)
+    assert refshare.stats().puts == 1 and refshare.stats().hits == 2 * N_WORKERS - 1
