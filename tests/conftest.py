@@ -23,17 +23,23 @@ NUM_CPUS = 2
 OBJECT_STORE_BYTES = 1 << 30
 
 
-def start_local_ray() -> None:
+def start_local_ray(object_store_bytes: int = OBJECT_STORE_BYTES) -> None:
     """Start the suite's local Ray unless one is already running."""
     if not ray.is_initialized():
         ray.init(
-            address="local",
+            address="local",  # a new local cluster, never one found on the machine
             num_cpus=NUM_CPUS,
-            object_store_memory=OBJECT_STORE_BYTES,
+            object_store_memory=object_store_bytes,
             include_dashboard=False,
             log_to_driver=False,
             configure_logging=False,
         )
+
+
+def restart_local_ray(object_store_bytes: int = OBJECT_STORE_BYTES) -> None:
+    """Stop the Ray this process runs and start a new local one, with that object store."""
+    ray.shutdown()
+    start_local_ray(object_store_bytes)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import ray
-from conftest import start_local_ray
+from conftest import restart_local_ray
 from reliability_kit import MiB, assert_cache_consistent, marked, sinks, summary
 
 import refshare
@@ -25,18 +25,9 @@ ITEM = 16 * MiB
 @pytest.fixture(scope="module")
 def group() -> Iterator[list[Any]]:
     """Two workers on a local Ray whose object store is only 200 MiB."""
-    ray.shutdown()
-    ray.init(
-        address="local",  # a new local cluster, never one found on the machine
-        num_cpus=2,
-        object_store_memory=STORE,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    restart_local_ray(STORE)
     yield sinks(2)
-    ray.shutdown()
-    start_local_ray()
+    restart_local_ray()
 
 
 def test_a_stream_far_beyond_the_budget(group: list[Any]) -> None:

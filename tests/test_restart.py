@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import ray
-from conftest import start_local_ray
+from conftest import restart_local_ray, start_local_ray
 from reliability_kit import MiB, assert_cache_consistent, marked, sinks, summary
 
 import refshare
@@ -29,20 +29,11 @@ def restart() -> Iterator[Restart]:
     def restart_(store: int | None) -> None:
         if store is None:
             start_local_ray()
-            return
-        ray.shutdown()
-        ray.init(
-            address="local",  # a new local cluster, never one found on the machine
-            num_cpus=2,
-            object_store_memory=store,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+        else:
+            restart_local_ray(store)
 
     yield restart_
-    ray.shutdown()
-    start_local_ray()
+    restart_local_ray()
 
 
 def fan_out(actors: list[Any], *arrays: Any) -> list[Any]:
