@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -348,3 +349,15 @@ def test_arrays_from_ray_get_are_immutable_and_hashed_once(workers: list[Any]) -
     assert id(rollout) in refshare._fingerprint._seen
     shared_fan_out(workers, rollout)
     assert refshare.stats().puts == 1 and refshare.stats().hits == 2 * N_WORKERS - 1
+
+
+def test_one_debug_line_per_put_and_per_hit(
+    workers: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG, logger="refshare"):
+        shared_fan_out(workers, np.zeros(200_000, dtype=np.uint8))
+    lines = [r.getMessage() for r in caplog.records if r.name == "refshare"]
+    assert len(lines) == N_WORKERS
+    assert lines[0].startswith("put  200000 bytes, key ")
+    assert all(line.startswith("hit  200000 bytes, key ") for line in lines[1:])
+    assert len({line.rsplit(" ", 1)[1] for line in lines}) == 1  # one key prefix
