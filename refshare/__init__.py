@@ -1,9 +1,10 @@
 """share large, repeated Ray task arguments by reference, with one decorator."""
 
 from ._cache import RefCache
-from ._fingerprint import estimate_size, fingerprint, register_fingerprint, register_size
+from ._fingerprint import fingerprint, register_fingerprint
 from ._patch import install, is_installed, uninstall
 from ._scope import clear, share, shared_args, sharing
+from ._sizing import estimate_size, register_size
 from ._stats import Stats, enable_metrics, reset_stats, stats
 
 __version__ = "0.1.0"

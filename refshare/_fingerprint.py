@@ -1,4 +1,4 @@
-"""Cheap size estimates and content fingerprints of task arguments, dispatched by type."""
+"""Content fingerprints of task arguments: equal exactly when Ray would send equal data."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import functools
 import itertools
 import logging
 import pickle
-import sys
 import types
 import weakref
 from collections.abc import Callable
@@ -14,13 +13,15 @@ from typing import Any
 
 import xxhash
 
+from ._dispatch import TypeTable
 from ._hashing import SEED, digest_buffer
+from ._sizing import SizeFn, register_size
 
 logger = logging.getLogger("refshare")
 
 Key = bytes
-SizeFn = Callable[[Any], int]
 FingerprintFn = Callable[[Any], Any]
+LeafFn = Callable[[Any], "Key | None"]
 #: How far an object's digest may be kept across calls (see ``leaf_digest``).
 NEVER, PROMISED, ALWAYS = 0, 1, 2
 #: A stamp that changes when an object changes, and how far the object can be trusted not
@@ -30,14 +31,6 @@ Stamp = tuple[object, int] | None
 #: recycled while the memo lives), a stamp that changes when it is mutated, and its digest.
 MemoEntry = tuple[object, object, Key]
 Memo = dict[int, MemoEntry]
-
-#: How many objects a size estimate visits at most: a list of a million small items is sized
-#: by its first ones, so the estimate costs microseconds whatever the argument.
-SIZE_VISIT_BUDGET = 10_000
-#: What one scalar (int, float, ...) is taken to weigh.
-SCALAR_BYTES = 8
-
-_SCALARS = (int, float, complex, bool, type(None))
 
 
 class Unfingerprintable(Exception):
@@ -202,70 +195,46 @@ def _tensor_stamp(t: Any) -> Stamp:
     return (where, _spot_check(_storage_bytes(t))), PROMISED
 
 
-def _tensor_nbytes(t: Any) -> int:
-    if t.device.type != "cpu":
-        return 0  # never shared, whatever its size
-    try:
-        return int(t.untyped_storage().nbytes())
-    except Exception:
-        return int(t.element_size() * t.nelement())
-
-
 # -- dispatch tables ----------------------------------------------------------------------
 
-_sizes: dict[type, SizeFn] = {}
-_leaf_digests: dict[type, Callable[[Any], Key | None]] = {
-    bytes: _digest_bytes,
-    bytearray: _digest_bytes,
-    str: _digest_str,
-    memoryview: _digest_memoryview,
-}
-#: How to tell that an object may have changed since it was hashed (see ``leaf_digest``).
-_stamps: dict[type, Callable[[Any], Stamp]] = {}
-_user_fingerprints: dict[type, FingerprintFn] = {}
 
-
-def _register_numpy() -> None:
+def _numpy_digests(table: TypeTable[LeafFn]) -> None:
     import numpy as np
 
-    _sizes.setdefault(np.ndarray, lambda a: int(a.nbytes))
-    _leaf_digests[np.ndarray] = _digest_ndarray  # exact type only: subclasses may carry state
-    _stamps[np.ndarray] = _ndarray_stamp
-    for scalar in (np.generic,):
-        _sizes.setdefault(scalar, lambda s: int(s.nbytes))
+    table.register(np.ndarray, _digest_ndarray)  # exact type only: subclasses carry state
 
 
-def _register_torch() -> None:
+def _numpy_stamps(table: TypeTable[Callable[[Any], Stamp]]) -> None:
+    import numpy as np
+
+    table.register(np.ndarray, _ndarray_stamp)
+
+
+def _torch_digests(table: TypeTable[LeafFn]) -> None:
     import torch
 
-    _sizes.setdefault(torch.Tensor, _tensor_nbytes)
     for cls in (torch.Tensor, torch.nn.Parameter):
-        _leaf_digests[cls] = _digest_tensor
-        _stamps[cls] = _tensor_stamp
+        table.register(cls, _digest_tensor)
 
 
-#: Registered when the first object of that package is seen, so neither is ever imported
-#: by refshare unless the user's own code already has.
-_lazy: dict[str, Callable[[], None]] = {"numpy": _register_numpy, "torch": _register_torch}
+def _torch_stamps(table: TypeTable[Callable[[Any], Stamp]]) -> None:
+    import torch
+
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        table.register(cls, _tensor_stamp)
 
 
-def _load_lazy(cls: type) -> None:
-    root = getattr(cls, "__module__", "").partition(".")[0]
-    if root in _lazy and root in sys.modules:
-        _lazy.pop(root)()
-
-
-def register_size(cls: type, size: SizeFn) -> None:
-    """Teach refshare how many bytes an instance of ``cls`` (or a subclass) will serialize to.
-
-    ``size(obj)`` must be cheap: it runs on every argument before anything is hashed.
-    """
-    if not isinstance(cls, type):
-        raise TypeError(f"register_size() takes a class, got {cls!r}")
-    if not callable(size):
-        raise TypeError(f"register_size() takes a callable size function, got {size!r}")
-    _sizes[cls] = size
-    _size_dispatch.clear()
+#: Types whose content refshare hashes itself, in place (exact types only).
+_leaf_digests: TypeTable[LeafFn] = TypeTable({"numpy": _numpy_digests, "torch": _torch_digests})
+for _cls, _digest in ((bytes, _digest_bytes), (bytearray, _digest_bytes), (str, _digest_str)):
+    _leaf_digests.register(_cls, _digest)
+_leaf_digests.register(memoryview, _digest_memoryview)
+#: How to tell that an object may have changed since it was hashed (see ``leaf_digest``).
+_stamps: TypeTable[Callable[[Any], Stamp]] = TypeTable(
+    {"numpy": _numpy_stamps, "torch": _torch_stamps}
+)
+#: Users' own types, with what defines their content (see ``register_fingerprint``).
+_user_fingerprints: TypeTable[FingerprintFn] = TypeTable()
 
 
 def register_fingerprint(
@@ -284,139 +253,9 @@ def register_fingerprint(
         raise TypeError(
             f"register_fingerprint() takes a callable fingerprint function, got {fingerprint!r}"
         )
-    _user_fingerprints[cls] = fingerprint
-    _fingerprint_dispatch.clear()
+    _user_fingerprints.register(cls, fingerprint)
     if size is not None:
         register_size(cls, size)
-
-
-def _resolve(table: dict[type, Any], cls: type) -> Any:
-    for base in cls.__mro__:
-        _load_lazy(base)
-    for base in cls.__mro__:
-        found = table.get(base)
-        if found is not None:
-            return found
-    return None
-
-
-_size_dispatch: dict[type, SizeFn | None] = {}
-_fingerprint_dispatch: dict[type, FingerprintFn | None] = {}
-
-
-def _user_fingerprint_for(cls: type) -> FingerprintFn | None:
-    try:
-        return _fingerprint_dispatch[cls]
-    except KeyError:
-        found: FingerprintFn | None = _resolve(_user_fingerprints, cls)
-        _fingerprint_dispatch[cls] = found
-        return found
-
-
-def _leaf_for(cls: type) -> Callable[[Any], Key | None] | None:
-    found = _leaf_digests.get(cls)
-    if found is None and cls.__module__.partition(".")[0] in _lazy:
-        _load_lazy(cls)
-        found = _leaf_digests.get(cls)
-    return found
-
-
-# -- size estimate ------------------------------------------------------------------------
-
-
-class _Sizing:
-    """One walk over an argument's members, with a visit budget and cycle guard."""
-
-    __slots__ = ("budget", "limit", "seen", "total")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.total = 0
-        self.budget = SIZE_VISIT_BUDGET
-        self.seen: set[int] | None = None  # made on the first container
-
-    def add(self, obj: object) -> None:
-        self.budget -= 1
-        size = _leaf_size(obj)
-        if size is not None:
-            self.total += size
-            return
-        if self.seen is None:
-            self.seen = set()
-        elif id(obj) in self.seen:
-            return
-        self.seen.add(id(obj))
-        if isinstance(obj, dict):
-            self.add_all(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            self.add_all(obj)
-        elif isinstance(obj, memoryview):
-            self.total += obj.nbytes
-        else:
-            state = getattr(obj, "__dict__", None)
-            slots = _slot_names(type(obj))
-            if isinstance(state, dict):
-                self.add_all(state.values())
-            if slots:
-                self.add_all(getattr(obj, name) for name in slots if hasattr(obj, name))
-            elif not isinstance(state, dict):
-                self.total += sys.getsizeof(obj, SCALAR_BYTES)
-
-    def add_all(self, items: Any) -> None:
-        for item in items:
-            if self.total >= self.limit or self.budget <= 0:
-                return
-            self.add(item)
-
-
-_slots: dict[type, tuple[str, ...]] = {}
-
-
-def _slot_names(cls: type) -> tuple[str, ...]:
-    """The ``__slots__`` members of ``cls`` and its bases (a slotted dataclass has no
-    ``__dict__``)."""
-    names = _slots.get(cls)
-    if names is None:
-        found: dict[str, None] = {}
-        for base in cls.__mro__:
-            slots = base.__dict__.get("__slots__", ())
-            found.update(dict.fromkeys((slots,) if isinstance(slots, str) else slots))
-        found.pop("__dict__", None)
-        found.pop("__weakref__", None)
-        names = _slots[cls] = tuple(found)
-    return names
-
-
-def _leaf_size(obj: object) -> int | None:
-    """The size of a scalar, string or buffer-backed value; ``None`` for anything else."""
-    cls = type(obj)
-    if cls in _SCALARS:
-        return SCALAR_BYTES
-    if cls is bytes or cls is str or cls is bytearray:
-        return len(obj)  # type: ignore[arg-type]
-    try:
-        size = _size_dispatch[cls]
-    except KeyError:
-        size = _size_dispatch[cls] = _resolve(_sizes, cls)
-    return None if size is None else size(obj)
-
-
-def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
-    """Estimate the bytes ``obj`` serializes to, without serializing it.
-
-    Arrays and tensors report their buffer size, containers and plain objects the sum of
-    their members. The walk stops once the total reaches ``limit`` or after
-    ``SIZE_VISIT_BUDGET`` objects, so the result is a lower bound past either point.
-    """
-    sizing = _Sizing(limit)
-    try:
-        sizing.add(obj)
-    except RecursionError:
-        pass  # nested too deeply to walk: what was seen so far is the lower bound
-    except Exception:
-        logger.debug("could not size %s", type(obj).__qualname__, exc_info=True)
-        return 0
-    return sizing.total
 
 
 # -- fingerprints -------------------------------------------------------------------------
@@ -487,11 +326,11 @@ class _FingerprintPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
-        leaf = _leaf_for(cls)
+        leaf = _leaf_digests.exact(cls)
         if leaf is not None:
             digest = leaf_digest(obj, leaf, self.digests, self.reuse)
             return NotImplemented if digest is None else (_from_digest, (digest,))
-        user = _user_fingerprint_for(cls) if _user_fingerprints else None
+        user = _user_fingerprints.lookup(cls) if _user_fingerprints else None
         if user is not None:
             return _from_user_fingerprint, (f"{cls.__module__}.{cls.__qualname__}", user(obj))
         if (cls is type or cls is types.FunctionType) and _sent_by_value(obj):
@@ -537,7 +376,7 @@ def leaf_digest(
     Bytes and strings are immutable but cannot be weakly referenced, so they are hashed
     each time they are seen.
     """
-    stamp_fn = _stamps.get(type(obj))
+    stamp_fn = _stamps.exact(type(obj))
     stamped = stamp_fn(obj) if stamp_fn is not None else None
     if stamped is None:
         return leaf(obj)
@@ -573,7 +412,7 @@ def fingerprint(obj: object, memo: Memo | None = None, reuse: bool = False) -> K
     are explained in :func:`leaf_digest`.
     """
     try:
-        leaf = _leaf_for(type(obj))
+        leaf = _leaf_digests.exact(type(obj))
         if leaf is not None:
             digest = leaf_digest(obj, leaf, memo, reuse)
             if digest is not None:
@@ -588,11 +427,4 @@ def fingerprint(obj: object, memo: Memo | None = None, reuse: bool = False) -> K
     return None
 
 
-__all__ = [
-    "Key",
-    "Memo",
-    "estimate_size",
-    "fingerprint",
-    "register_fingerprint",
-    "register_size",
-]
+__all__ = ["Key", "Memo", "fingerprint", "leaf_digest", "register_fingerprint"]

@@ -15,9 +15,10 @@ from ray import ObjectRef
 
 from . import _stats
 from ._cache import RefCache
-from ._fingerprint import Key, Memo, estimate_size, fingerprint
+from ._fingerprint import Key, Memo, fingerprint
 from ._patch import SubmitScope, active_scope, ensure_installed
 from ._session import current_session
+from ._sizing import estimate_size
 
 logger = logging.getLogger("refshare")
 

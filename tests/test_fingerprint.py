@@ -1,10 +1,6 @@
-"""Sizes and fingerprints, without Ray: what is equal, what is not, and what costs little."""
+"""Fingerprints, without Ray: what is equal, what is not, and what is hashed again."""
 
 from __future__ import annotations
-
-import dataclasses
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -12,48 +8,6 @@ import pytest
 import refshare
 from refshare import estimate_size, fingerprint
 from refshare._hashing import PARALLEL_MIN_BYTES, digest_buffer
-
-
-def test_sizes_come_from_buffers_not_getsizeof() -> None:
-    base = np.zeros(10_000_000)
-    view = base[::1]
-    assert sys.getsizeof(view) < 200  # what a naive size would see
-    assert estimate_size(view) == 80_000_000
-    assert estimate_size(b"x" * 1000) == 1000
-    assert estimate_size(bytearray(2000)) == 2000
-    assert estimate_size(memoryview(b"y" * 3000)) == 3000
-    assert estimate_size("z" * 4000) == 4000
-
-
-def test_containers_and_objects_sum_their_members() -> None:
-    @dataclasses.dataclass
-    class Batch:
-        obs: np.ndarray
-        act: np.ndarray
-
-    class Holder:
-        def __init__(self) -> None:
-            self.data = np.zeros(1000, dtype=np.uint8)
-
-    class BatchedDataDict(dict):  # type: ignore[type-arg]
-        pass
-
-    a, b = np.zeros(100, dtype=np.uint8), np.zeros(200, dtype=np.uint8)
-    assert estimate_size({"a": a, "b": b}) == 300
-    assert estimate_size([a, (b, b)]) == 500
-    assert estimate_size(Batch(a, b)) == 300
-    assert estimate_size(Holder()) == 1000
-    assert estimate_size(BatchedDataDict(a=a, b=b)) == 300
-
-
-def test_size_estimate_stops_early() -> None:
-    many = [np.zeros(1000, dtype=np.uint8) for _ in range(1000)]
-    assert 10_000 <= estimate_size(many, limit=10_000) < 12_000
-    huge = list(range(2_000_000))
-    start = time.perf_counter()
-    size = estimate_size(huge, limit=1 << 40)
-    assert time.perf_counter() - start < 0.05
-    assert size <= refshare._fingerprint.SIZE_VISIT_BUDGET * refshare._fingerprint.SCALAR_BYTES
 
 
 def test_cycles_do_not_hang() -> None:

@@ -1,0 +1,152 @@
+"""How many bytes an argument will serialize to, estimated without serializing it."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ._dispatch import TypeTable
+
+logger = logging.getLogger("refshare")
+
+SizeFn = Callable[[Any], int]
+
+#: How many objects a size estimate visits at most: a list of a million small items is sized
+#: by its first ones, so the estimate costs microseconds whatever the argument.
+SIZE_VISIT_BUDGET = 10_000
+#: What one scalar (int, float, ...) is taken to weigh.
+SCALAR_BYTES = 8
+
+_SCALARS = (int, float, complex, bool, type(None))
+
+
+def _numpy_sizes(table: TypeTable[SizeFn]) -> None:
+    import numpy as np
+
+    table.register(np.ndarray, lambda a: int(a.nbytes), replace=False)
+    table.register(np.generic, lambda s: int(s.nbytes), replace=False)
+
+
+def tensor_nbytes(t: Any) -> int:
+    """What pickling a tensor sends: its whole storage, even for a small view of it."""
+    if t.device.type != "cpu":
+        return 0  # never shared, whatever its size
+    try:
+        return int(t.untyped_storage().nbytes())
+    except Exception:
+        return int(t.element_size() * t.nelement())
+
+
+def _torch_sizes(table: TypeTable[SizeFn]) -> None:
+    import torch
+
+    table.register(torch.Tensor, tensor_nbytes, replace=False)
+
+
+_sizes: TypeTable[SizeFn] = TypeTable({"numpy": _numpy_sizes, "torch": _torch_sizes})
+
+
+def register_size(cls: type, size: SizeFn) -> None:
+    """Teach refshare how many bytes an instance of ``cls`` (or a subclass) will serialize to.
+
+    ``size(obj)`` must be cheap: it runs on every argument before anything is hashed.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"register_size() takes a class, got {cls!r}")
+    if not callable(size):
+        raise TypeError(f"register_size() takes a callable size function, got {size!r}")
+    _sizes.register(cls, size)
+
+
+def _leaf_size(obj: object) -> int | None:
+    """The size of a scalar, string or buffer-backed value; ``None`` for anything else."""
+    cls = type(obj)
+    if cls in _SCALARS:
+        return SCALAR_BYTES
+    if cls is bytes or cls is str or cls is bytearray:
+        return len(obj)  # type: ignore[arg-type]
+    size = _sizes.lookup(cls)
+    return None if size is None else size(obj)
+
+
+_slots: dict[type, tuple[str, ...]] = {}
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The ``__slots__`` members of ``cls`` and its bases (a slotted dataclass has no
+    ``__dict__``)."""
+    names = _slots.get(cls)
+    if names is None:
+        found: dict[str, None] = {}
+        for base in cls.__mro__:
+            slots = base.__dict__.get("__slots__", ())
+            found.update(dict.fromkeys((slots,) if isinstance(slots, str) else slots))
+        found.pop("__dict__", None)
+        found.pop("__weakref__", None)
+        names = _slots[cls] = tuple(found)
+    return names
+
+
+class _Sizing:
+    """One walk over an argument's members, with a visit budget and cycle guard."""
+
+    __slots__ = ("budget", "limit", "seen", "total")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.total = 0
+        self.budget = SIZE_VISIT_BUDGET
+        self.seen: set[int] | None = None  # made on the first container
+
+    def add(self, obj: object) -> None:
+        self.budget -= 1
+        size = _leaf_size(obj)
+        if size is not None:
+            self.total += size
+            return
+        if self.seen is None:
+            self.seen = set()
+        elif id(obj) in self.seen:
+            return
+        self.seen.add(id(obj))
+        if isinstance(obj, dict):
+            self.add_all(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            self.add_all(obj)
+        elif isinstance(obj, memoryview):
+            self.total += obj.nbytes
+        else:
+            state = getattr(obj, "__dict__", None)
+            slots = _slot_names(type(obj))
+            if isinstance(state, dict):
+                self.add_all(state.values())
+            if slots:
+                self.add_all(getattr(obj, name) for name in slots if hasattr(obj, name))
+            elif not isinstance(state, dict):
+                self.total += sys.getsizeof(obj, SCALAR_BYTES)
+
+    def add_all(self, items: Any) -> None:
+        for item in items:
+            if self.total >= self.limit or self.budget <= 0:
+                return
+            self.add(item)
+
+
+def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
+    """Estimate the bytes ``obj`` serializes to, without serializing it.
+
+    Arrays and tensors report their buffer size, containers and plain objects the sum of
+    their members. The walk stops once the total reaches ``limit`` or after
+    ``SIZE_VISIT_BUDGET`` objects, so the result is a lower bound past either point.
+    """
+    sizing = _Sizing(limit)
+    try:
+        sizing.add(obj)
+    except RecursionError:
+        pass  # nested too deeply to walk: what was seen so far is the lower bound
+    except Exception:
+        logger.debug("could not size %s", type(obj).__qualname__, exc_info=True)
+        return 0
+    return sizing.total
