@@ -8,6 +8,7 @@ from collections.abc import Hashable, Iterator
 from typing import Any
 
 from . import _stats
+from ._session import current_session, local_object_store_bytes
 
 #: Share of the local object store the process-wide cache may hold when no budget is given.
 DEFAULT_STORE_FRACTION = 0.25
@@ -132,8 +133,6 @@ _budget: tuple[object, int] | None = None
 def _default_budget() -> int:
     """A quarter of the local node's object store, read once per Ray session."""
     global _budget
-    from ._session import current_session, local_object_store_bytes
-
     session = current_session()
     if _budget is None or _budget[0] != session:
         store: int | None = local_object_store_bytes() if session is not None else None
