@@ -200,3 +200,12 @@ def test_tensor_keys_follow_storage_layout_and_version() -> None:
     t.add_(1)  # in place: the version counter moves, so reuse hashes again
     assert fingerprint(t, reuse=True) != before
     assert fingerprint(torch.nn.Parameter(t.float())) != fingerprint(t.float())
+
+
+def test_tensors_off_the_cpu_are_neither_sized_nor_hashed() -> None:
+    torch = pytest.importorskip("torch")
+    # No GPU here: a "meta" tensor takes the same path as a CUDA one, any device but the CPU.
+    off_cpu = torch.empty(1 << 20, device="meta")
+    assert estimate_size(off_cpu) == 0  # never reaches min_bytes: goes by value, unchanged
+    assert fingerprint(off_cpu) is None
+    assert fingerprint({"weights": off_cpu, "x": np.zeros(10)}) is None
