@@ -281,12 +281,14 @@ def shared_args(
         cache: ``True`` for the process-wide cache, ``False`` to share within one call
             only, or a :class:`RefCache` of your own.
         enabled: ``False`` makes the decorator a pass-through.
-        reuse_fingerprints: skip hashing objects refshare has hashed before and can tell
-            are unchanged: torch tensors whose version counter has not moved, and numpy
-            arrays that are read-only all the way down (like those ``ray.get`` returns).
-            You promise not to change such memory behind torch's or numpy's back (through
-            ``.numpy()``/``.data``/DLPack views of a tensor, or by making a frozen array
-            writeable again); refshare could then send the old content.
+        reuse_fingerprints: also skip hashing, across calls, objects refshare hashed
+            before and can tell are unchanged: torch tensors whose version counter has not
+            moved, and read-only numpy arrays that own their memory. (Arrays read-only down
+            to ``bytes`` or to Ray's object store, like those ``ray.get`` returns, are
+            skipped anyway: nothing can change them.) You promise not to change such memory
+            behind torch's or numpy's back (through ``.numpy()``/``.data``/DLPack views of a
+            tensor, or by making a read-only array writeable again); refshare could then
+            send the old content.
 
     Use bare (``@shared_args``) or with options (``@shared_args(min_bytes=1 << 20)``).
     Options are checked here, when decorating.
