@@ -361,3 +361,11 @@ def test_one_debug_line_per_put_and_per_hit(
     assert lines[0].startswith("put  200000 bytes, key ")
     assert all(line.startswith("hit  200000 bytes, key ") for line in lines[1:])
     assert len({line.rsplit(" ", 1)[1] for line in lines}) == 1  # one key prefix
+
+
+def test_a_long_list_of_small_items_is_sized_by_extrapolation_and_shared(
+    workers: list[Any],
+) -> None:
+    tokens = list(range(300_000))  # about 2.4 MB once serialized, sized from 10,000 items
+    assert shared_fan_out(workers, tokens) == fan_out(workers, tokens)
+    assert refshare.stats()[:2] == (1, N_WORKERS - 1)

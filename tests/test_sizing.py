@@ -51,4 +51,7 @@ def test_size_estimate_stops_early() -> None:
     start = time.perf_counter()
     size = estimate_size(huge, limit=1 << 40)
     assert time.perf_counter() - start < 0.05
-    assert size <= refshare._sizing.SIZE_VISIT_BUDGET * refshare._sizing.SCALAR_BYTES
+    # Visited up to the budget, the rest extrapolated: 8 bytes for each of the 2 million.
+    assert size == 2_000_000 * refshare._sizing.SCALAR_BYTES
+    nested = [[1.0] * 100 for _ in range(10_000)]  # a million floats, in lists of 100
+    assert 0.8e6 * 8 <= estimate_size(nested) <= 1.2e6 * 8
