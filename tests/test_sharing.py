@@ -366,6 +366,6 @@ def test_one_debug_line_per_put_and_per_hit(
 def test_a_long_list_of_small_items_is_sized_by_extrapolation_and_shared(
     workers: list[Any],
 ) -> None:
-    tokens = list(range(300_000))  # about 2.4 MB once serialized, sized from 10,000 items
+    tokens = list(range(300_000))  # estimated at 2.4 MB from its first 10,000 items
     assert shared_fan_out(workers, tokens) == fan_out(workers, tokens)
     assert refshare.stats()[:2] == (1, N_WORKERS - 1)
