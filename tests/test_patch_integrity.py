@@ -167,12 +167,17 @@ def plain_wrapper(cls: type, calls: list[str], *, wraps: bool) -> Callable[..., 
     return functools.wraps(previous)(_remote) if wraps else _remote
 
 
-@pytest.mark.parametrize("wraps", [True, False], ids=["functools.wraps", "bare"])
-def test_a_plain_wrapper_on_top_survives_uninstall(sink: Any, wraps: bool) -> None:
+def stack_plain_wrappers(wraps: bool) -> tuple[list[str], Any]:
+    """Put a plain wrapper on top of each submit method; return its call log and them."""
     calls: list[str] = []
     for cls in CLASSES:
-        cls._remote = plain_wrapper(cls, calls, wraps=wraps)
-    theirs = current()
+        cls._remote = plain_wrapper(cls, calls, wraps=wraps)  # type: ignore[attr-defined]
+    return calls, current()
+
+
+@pytest.mark.parametrize("wraps", [True, False], ids=["functools.wraps", "bare"])
+def test_a_plain_wrapper_on_top_survives_uninstall(sink: Any, wraps: bool) -> None:
+    calls, theirs = stack_plain_wrappers(wraps)
     assert shared_counts(sink, 6) == (1, 2)  # refshare beneath theirs
 
     refshare.uninstall()
@@ -183,10 +188,7 @@ def test_a_plain_wrapper_on_top_survives_uninstall(sink: Any, wraps: bool) -> No
 
 @pytest.mark.parametrize("wraps", [True, False], ids=["functools.wraps", "bare"])
 def test_a_plain_wrapper_on_top_survives_install(sink: Any, wraps: bool) -> None:
-    calls: list[str] = []
-    for cls in CLASSES:
-        cls._remote = plain_wrapper(cls, calls, wraps=wraps)
-    theirs = current()
+    calls, theirs = stack_plain_wrappers(wraps)
     refshare.uninstall()
     refshare.install()
     assert shared_counts(sink, 9) == (1, 2)
