@@ -13,6 +13,7 @@ from typing import Any
 
 import xxhash
 
+from . import _serialized
 from ._dispatch import TypeTable
 from ._hashing import SEED, digest_buffer
 from ._sizing import SizeFn, register_size
@@ -22,6 +23,8 @@ logger = logging.getLogger("refshare")
 Key = bytes
 FingerprintFn = Callable[[Any], Any]
 LeafFn = Callable[[Any], "Key | None"]
+#: Digests a leaf, with the per-call memo and whether digests may be kept across calls.
+DigestFn = Callable[[Any, "Memo | None", bool], "Key | None"]
 #: How far an object's digest may be kept across calls (see ``leaf_digest``).
 NEVER, PROMISED, ALWAYS = 0, 1, 2
 #: A stamp that changes when an object changes, and how far the object can be trusted not
@@ -30,11 +33,22 @@ Stamp = tuple[object, int] | None
 #: What the per-call memo holds for one object: the object itself (so its ``id()`` cannot be
 #: recycled while the memo lives), a stamp that changes when it is mutated, and its digest.
 MemoEntry = tuple[object, object, Key]
-Memo = dict[int, MemoEntry]
+#: Keyed by ``id(obj)``, or by a tuple naming what was hashed (a tensor's own elements, a
+#: storage several views share).
+Memo = dict[object, MemoEntry]
+#: A key, the pickle it was taken from (if the value was pickled to be keyed), and whether
+#: keying it ran the value's own pickling code.
+Identified = tuple[Key, "_serialized.Serialized | None", bool]
 
 
 class Unfingerprintable(Exception):
-    """Raised inside a fingerprint pass for a value that must go by value."""
+    """Raised inside a fingerprint pass for a value refshare cannot hash itself."""
+
+
+class NeedsSerializing(Exception):
+    """Raised inside a fingerprint pass for an object whose pickling runs code of its own:
+    fingerprinting it by pickling would cost as much as sending it, so the caller pickles it
+    once with Ray's pickler instead (see ``_serialized``)."""
 
 
 # -- leaf digests: types whose content refshare hashes itself -----------------------------
@@ -90,8 +104,7 @@ def _digest_ndarray(arr: Any) -> Key | None:
     return _combine(head, digest_buffer(memoryview(flat)))
 
 
-def _digest_tensor(t: Any) -> Key | None:
-    """Hash what pickling a CPU tensor sends: its whole storage, offset, size and stride."""
+def _check_tensor(t: Any) -> None:
     import torch
 
     if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_nested:
@@ -100,7 +113,10 @@ def _digest_tensor(t: Any) -> Key | None:
         raise Unfingerprintable("non-leaf tensor")  # not picklable: Ray raises by value
     if any(getattr(t, "names", None) or ()) or getattr(t, "__dict__", None):
         raise Unfingerprintable("tensor with names or attributes")  # rare: by value
-    head = _tagged(
+
+
+def _tensor_head(t: Any, *extra: object) -> xxhash.xxh3_128:
+    return _tagged(
         type(t).__qualname__,
         str(t.dtype),
         tuple(t.shape),
@@ -109,9 +125,12 @@ def _digest_tensor(t: Any) -> Key | None:
         t.requires_grad,
         t.is_conj(),
         t.is_neg(),
-        t.untyped_storage().nbytes(),
+        *extra,
     )
-    return _combine(head, digest_buffer(memoryview(_storage_bytes(t))))
+
+
+def _digest_storage(t: Any) -> Key:
+    return digest_buffer(memoryview(_storage_bytes(t)))
 
 
 def _storage_bytes(t: Any) -> Any:
@@ -119,6 +138,33 @@ def _storage_bytes(t: Any) -> Any:
     import torch
 
     return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+
+
+def element_bytes(t: Any) -> Any:
+    """A CPU tensor's own elements in row-major order as a flat uint8 numpy array: a view
+    of its storage when it is contiguous, else a copy (what ``t.contiguous()`` would send)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    start = t.storage_offset() * t.element_size()
+    return _storage_bytes(t)[start : start + t.nelement() * t.element_size()]
+
+
+class TensorElements:
+    """A tensor whose own elements, not its storage, are what its container sends.
+
+    Built-in fingerprints of batch types that pickle ``tensor.contiguous()`` (verl's
+    ``DataProto``) return these, so a chunk hashes its rows and not its parent's storage.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+
+def _digest_elements(t: Any) -> Key:
+    head = _tagged("elements", str(t.dtype), tuple(t.shape), t.requires_grad)
+    return _combine(head, digest_buffer(memoryview(element_bytes(t))))
 
 
 # -- stamps: telling cheaply that an object hashed before may have changed ---------------
@@ -188,20 +234,79 @@ def _ndarray_stamp(arr: Any) -> Stamp:
 
 def _tensor_stamp(t: Any) -> Stamp:
     """Torch's version counter catches its own in-place operations; the spot check, most
-    writes through ``.numpy()`` or ``.data`` views, which the counter does not see."""
-    if t.device.type != "cpu":
+    writes through ``.numpy()`` or ``.data`` views, which the counter does not see.
+
+    Tensors made under ``torch.inference_mode()`` have no version counter: their stamp is
+    the spot check alone, and their digest is kept within one call only."""
+    if t.device.type != "cpu" or t.layout is not _strided():
         return None
+    if t.is_inference():
+        where = (None, t.data_ptr(), tuple(t.shape), t.stride())
+        return (where, _spot_check(_storage_bytes(t))), NEVER
     where = (t._version, t.data_ptr(), tuple(t.shape), t.stride())
     return (where, _spot_check(_storage_bytes(t))), PROMISED
 
 
+def _storage_stamp(t: Any) -> Stamp:
+    """A storage is stamped through any tensor on it; views share its version counter."""
+    if t.device.type != "cpu":
+        return None
+    version = None if t.is_inference() else t._version
+    storage = t.untyped_storage()
+    where = (version, storage.data_ptr(), storage.nbytes())
+    return (where, _spot_check(_storage_bytes(t))), NEVER if version is None else PROMISED
+
+
+@functools.cache
+def _strided() -> Any:
+    import torch
+
+    return torch.strided
+
+
 # -- dispatch tables ----------------------------------------------------------------------
 
+#: Arrays smaller than this are hashed each time they are seen: reading them costs less
+#: than stamping them, and a list of a thousand small arrays stays as cheap as its bytes.
+STAMP_MIN_BYTES = 256 << 10
 
-def _numpy_digests(table: TypeTable[LeafFn]) -> None:
+
+def _memoized(leaf: LeafFn) -> DigestFn:
+    def digest(obj: Any, memo: Memo | None, reuse: bool) -> Key | None:
+        return leaf_digest(obj, leaf, memo, reuse)
+
+    return digest
+
+
+def _ndarray_digest(arr: Any, memo: Memo | None, reuse: bool) -> Key | None:
+    if arr.nbytes < STAMP_MIN_BYTES and not arr.dtype.hasobject:
+        return _digest_ndarray(arr)
+    return leaf_digest(arr, _digest_ndarray, memo, reuse)
+
+
+def _tensor_digest(t: Any, memo: Memo | None, reuse: bool) -> Key | None:
+    """What pickling a CPU tensor sends: its whole storage, offset, size and stride.
+
+    Views of one storage (the chunks of a batch) hash that storage once per call."""
+    _check_tensor(t)
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    body = leaf_digest(
+        t, _digest_storage, memo, reuse, ("storage", storage.data_ptr(), nbytes), _storage_stamp
+    )
+    return None if body is None else _combine(_tensor_head(t, nbytes), body)
+
+
+def _elements_digest(wrapper: TensorElements, memo: Memo | None, reuse: bool) -> Key | None:
+    t = wrapper.tensor
+    _check_tensor(t)
+    return leaf_digest(t, _digest_elements, memo, reuse, ("elements", id(t)))
+
+
+def _numpy_digests(table: TypeTable[DigestFn]) -> None:
     import numpy as np
 
-    table.register(np.ndarray, _digest_ndarray)  # exact type only: subclasses carry state
+    table.register(np.ndarray, _ndarray_digest)  # exact type only: subclasses carry state
 
 
 def _numpy_stamps(table: TypeTable[Callable[[Any], Stamp]]) -> None:
@@ -210,11 +315,11 @@ def _numpy_stamps(table: TypeTable[Callable[[Any], Stamp]]) -> None:
     table.register(np.ndarray, _ndarray_stamp)
 
 
-def _torch_digests(table: TypeTable[LeafFn]) -> None:
+def _torch_digests(table: TypeTable[DigestFn]) -> None:
     import torch
 
     for cls in (torch.Tensor, torch.nn.Parameter):
-        table.register(cls, _digest_tensor)
+        table.register(cls, _tensor_digest)
 
 
 def _torch_stamps(table: TypeTable[Callable[[Any], Stamp]]) -> None:
@@ -225,16 +330,20 @@ def _torch_stamps(table: TypeTable[Callable[[Any], Stamp]]) -> None:
 
 
 #: Types whose content refshare hashes itself, in place (exact types only).
-_leaf_digests: TypeTable[LeafFn] = TypeTable({"numpy": _numpy_digests, "torch": _torch_digests})
+_leaf_digests: TypeTable[DigestFn] = TypeTable({"numpy": _numpy_digests, "torch": _torch_digests})
 for _cls, _digest in ((bytes, _digest_bytes), (bytearray, _digest_bytes), (str, _digest_str)):
-    _leaf_digests.register(_cls, _digest)
-_leaf_digests.register(memoryview, _digest_memoryview)
+    _leaf_digests.register(_cls, _memoized(_digest))
+_leaf_digests.register(memoryview, _memoized(_digest_memoryview))
+_leaf_digests.register(TensorElements, _elements_digest)
 #: How to tell that an object may have changed since it was hashed (see ``leaf_digest``).
 _stamps: TypeTable[Callable[[Any], Stamp]] = TypeTable(
     {"numpy": _numpy_stamps, "torch": _torch_stamps}
 )
 #: Users' own types, with what defines their content (see ``register_fingerprint``).
 _user_fingerprints: TypeTable[FingerprintFn] = TypeTable()
+#: refshare's own fingerprints of the ecosystem's batch types (see ``_batches``), filled in
+#: when their package is first seen; a user's registration takes precedence.
+builtin_fingerprints: TypeTable[FingerprintFn] = TypeTable()
 
 
 def register_fingerprint(
@@ -256,6 +365,42 @@ def register_fingerprint(
     _user_fingerprints.register(cls, fingerprint)
     if size is not None:
         register_size(cls, size)
+
+
+# -- which objects pickle cheaply ---------------------------------------------------------
+
+#: Packages whose pickling code only rearranges what the object holds (no serialization
+#: of its own): their objects are walked by the fingerprint pass.
+TRUSTED_PICKLING = frozenset(
+    {
+        "builtins", "collections", "copyreg", "dataclasses", "datetime", "decimal", "enum",
+        "fractions", "functools", "ipaddress", "pathlib", "re", "types", "typing", "uuid",
+        "numpy", "torch", "tensordict", "ray",
+    }
+)  # fmt: skip
+_own_pickling: dict[type, bool] = {}
+
+
+def runs_own_pickling(cls: type) -> bool:
+    """Whether pickling ``cls`` runs code from outside :data:`TRUSTED_PICKLING`: a
+    ``__reduce__``, ``__reduce_ex__`` or ``__getstate__`` that may serialize on its own."""
+    found = _own_pickling.get(cls)
+    if found is None:
+        found = _own_pickling[cls] = any(
+            _defined_outside_trusted(cls, name)
+            for name in ("__reduce_ex__", "__reduce__", "__getstate__")
+        )
+    return found
+
+
+def _defined_outside_trusted(cls: type, name: str) -> bool:
+    for base in cls.__mro__:
+        if name in base.__dict__:
+            if base is object:
+                return False
+            module = getattr(base.__dict__[name], "__module__", None) or base.__module__
+            return str(module).partition(".")[0] not in TRUSTED_PICKLING
+    return False
 
 
 # -- fingerprints -------------------------------------------------------------------------
@@ -310,13 +455,17 @@ class _HashFile:
 
 class _FingerprintPickler(pickle.Pickler):
     """Pickles only to hash: out-of-band buffers are hashed where they lie, and arrays,
-    tensors and registered types are replaced by their own digests."""
+    tensors and registered types are replaced by their own digests.
 
-    def __init__(self, memo: Memo, reuse: bool) -> None:
+    ``strict`` stops the pass (``NeedsSerializing``) at an object whose pickling runs code
+    of its own; otherwise that code runs, and its output is hashed like the rest."""
+
+    def __init__(self, memo: Memo, reuse: bool, strict: bool) -> None:
         self.stream = _HashFile()
         self.buffers = xxhash.xxh3_128(b"buffers", SEED)
         self.digests = memo
         self.reuse = reuse
+        self.strict = strict
         super().__init__(self.stream, protocol=5, buffer_callback=self._hash_buffer)
 
     def _hash_buffer(self, buffer: pickle.PickleBuffer) -> None:
@@ -328,15 +477,19 @@ class _FingerprintPickler(pickle.Pickler):
         cls = type(obj)
         leaf = _leaf_digests.exact(cls)
         if leaf is not None:
-            digest = leaf_digest(obj, leaf, self.digests, self.reuse)
+            digest = leaf(obj, self.digests, self.reuse)
             return NotImplemented if digest is None else (_from_digest, (digest,))
-        user = _user_fingerprints.lookup(cls) if _user_fingerprints else None
-        if user is not None:
-            return _from_user_fingerprint, (f"{cls.__module__}.{cls.__qualname__}", user(obj))
+        known = _user_fingerprints.lookup(cls) if _user_fingerprints else None
+        if known is None:
+            known = builtin_fingerprints.lookup(cls)
+        if known is not None:
+            return _from_user_fingerprint, (f"{cls.__module__}.{cls.__qualname__}", known(obj))
         if (cls is type or cls is types.FunctionType) and _sent_by_value(obj):
             if cls is types.FunctionType:
                 raise Unfingerprintable(f"function {obj.__qualname__} is sent as code")
             return _from_class, (obj.__qualname__, _class_token(obj))
+        if self.strict and runs_own_pickling(cls):
+            raise NeedsSerializing(cls.__qualname__)
         return NotImplemented
 
     def key(self) -> Key:
@@ -345,25 +498,28 @@ class _FingerprintPickler(pickle.Pickler):
         return head.digest()
 
 
-#: Digests of unchanged objects, across calls, for ``reuse=True``: id -> (weakref, stamp,
-#: digest). The weakref both proves the object is the one hashed (ids are recycled) and
-#: removes the entry when the object dies.
-_seen: dict[int, tuple[weakref.ref[Any], object, Key]] = {}
+#: Digests of unchanged objects, across calls, for ``reuse=True``: memo key -> (weakref,
+#: stamp, digest). The weakref both proves the object is the one hashed (ids are recycled)
+#: and removes the entry when the object dies.
+_seen: dict[object, tuple[weakref.ref[Any], object, Key]] = {}
 
 
-def _remember(obj: object, stamp: object, digest: Key) -> None:
-    obj_id = id(obj)
-
+def _remember(key: object, obj: object, stamp: object, digest: Key) -> None:
     def forget(ref: weakref.ref[Any]) -> None:
-        entry = _seen.get(obj_id)
+        entry = _seen.get(key)
         if entry is not None and entry[0] is ref:
-            del _seen[obj_id]
+            del _seen[key]
 
-    _seen[obj_id] = (weakref.ref(obj, forget), stamp, digest)
+    _seen[key] = (weakref.ref(obj, forget), stamp, digest)
 
 
 def leaf_digest(
-    obj: object, leaf: Callable[[Any], Key | None], memo: Memo | None, reuse: bool = False
+    obj: object,
+    leaf: LeafFn,
+    memo: Memo | None,
+    reuse: bool = False,
+    memo_key: object = None,
+    stamp_fn: Callable[[Any], Stamp] | None = None,
 ) -> Key | None:
     """Digest ``obj`` with ``leaf``, reusing an earlier digest where that is safe.
 
@@ -374,57 +530,110 @@ def leaf_digest(
     an immutable buffer) and, with ``reuse``, for objects the user promises not to change
     behind numpy's or torch's back: tensors, and read-only arrays owning their memory.
     Bytes and strings are immutable but cannot be weakly referenced, so they are hashed
-    each time they are seen.
+    each time they are seen. ``memo_key`` (default ``id(obj)``) and ``stamp_fn`` name
+    another digest of the same object: a tensor's storage, or its own elements.
     """
-    stamp_fn = _stamps.exact(type(obj))
+    if stamp_fn is None:
+        stamp_fn = _stamps.exact(type(obj))
     stamped = stamp_fn(obj) if stamp_fn is not None else None
     if stamped is None:
         return leaf(obj)
     stamp, trust = stamped
+    if memo_key is None:
+        memo_key = id(obj)
     if memo is not None:
-        entry = memo.get(id(obj))
+        entry = memo.get(memo_key)
         if entry is not None and entry[0] is obj and entry[1] == stamp:
             return entry[2]
     reuse = trust == ALWAYS or (reuse and trust == PROMISED)
     if reuse:
-        seen = _seen.get(id(obj))
+        seen = _seen.get(memo_key)
         if seen is not None and seen[0]() is obj and seen[1] == stamp:
             if memo is not None:
-                memo[id(obj)] = (obj, stamp, seen[2])
+                memo[memo_key] = (obj, stamp, seen[2])
             return seen[2]
     digest = leaf(obj)
     if digest is None:
         return None
     if memo is not None:
-        memo[id(obj)] = (obj, stamp, digest)
+        memo[memo_key] = (obj, stamp, digest)
     if reuse:
-        _remember(obj, stamp, digest)
+        _remember(memo_key, obj, stamp, digest)
     return digest
+
+
+def fingerprint_pass(obj: object, memo: Memo, reuse: bool, strict: bool) -> Key:
+    """The fingerprint of ``obj`` without serializing it; raises what the pass raised.
+
+    With ``strict``, raises ``NeedsSerializing`` or ``Unfingerprintable`` for values that
+    only a real serialization can key (see :func:`identify`)."""
+    leaf = _leaf_digests.exact(type(obj))
+    if leaf is not None:
+        digest = leaf(obj, memo, reuse)
+        if digest is not None:
+            return digest
+    pickler = _FingerprintPickler(memo, reuse, strict)
+    pickler.dump(obj)
+    return pickler.key()
+
+
+def identify(obj: object, memo: Memo | None = None, reuse: bool = False) -> Identified | None:
+    """Key ``obj``, serializing it at most once; ``None`` when it must go by value.
+
+    Returns the key, the pickle it was taken from (or ``None``), and whether keying it ran
+    pickling code of the value's own (so it is worth not keying it again within a call).
+
+    Values made of arrays, tensors, containers, plain objects and known batch types are
+    keyed without serializing them. A value whose pickling runs code of its own, or holds
+    what refshare cannot hash (a GPU tensor, a function sent as code), is pickled once with
+    Ray's pickler and keyed by that pickle, which is then what ``ray.put`` stores. Values
+    holding object refs or actor handles are left to Ray's own serialization (as is
+    everything, when Ray's pickler is not what refshare expects): their pickling code runs
+    in a fingerprint pass, and ``ray.put`` serializes them again.
+    """
+    if memo is None:
+        memo = {}
+    name = type(obj).__qualname__
+    try:
+        try:
+            return fingerprint_pass(obj, memo, reuse, strict=True), None, False
+        except (NeedsSerializing, Unfingerprintable) as why:
+            logger.debug("%s is keyed by its pickle (%s)", name, why)
+        if _serialized.available():
+            try:
+                serialized = _serialized.serialize(obj)
+                return serialized.key, serialized, True
+            except _serialized.HoldsRayHandles:
+                pass
+        return fingerprint_pass(obj, memo, reuse, strict=False), None, True
+    except RecursionError:
+        logger.debug("%s is nested too deeply to fingerprint", name)
+    except Exception:
+        logger.debug("cannot fingerprint %s", name, exc_info=True)
+    return None
 
 
 def fingerprint(obj: object, memo: Memo | None = None, reuse: bool = False) -> Key | None:
     """Return a key that is equal for two values exactly when Ray would send equal data.
 
     The key covers the type, dtype, shape, layout and every byte, hashed with seeded
-    xxh3-128. Arrays, tensors, bytes and strings are hashed in place; anything else goes
-    through a pickle protocol-5 pass that hashes instead of storing. Returns ``None`` for
-    values that cannot be fingerprinted: they go to Ray by value. ``memo`` and ``reuse``
-    are explained in :func:`leaf_digest`.
+    xxh3-128. Arrays, tensors, bytes and strings are hashed in place; containers, plain
+    objects and known batch types through a pickle protocol-5 pass that hashes instead of
+    storing; values that run pickling code of their own by the pickle Ray would send.
+    Returns ``None`` for values that cannot be fingerprinted: they go to Ray by value.
+    ``memo`` and ``reuse`` are explained in :func:`leaf_digest`.
     """
-    try:
-        leaf = _leaf_digests.exact(type(obj))
-        if leaf is not None:
-            digest = leaf_digest(obj, leaf, memo, reuse)
-            if digest is not None:
-                return digest
-        pickler = _FingerprintPickler(memo if memo is not None else {}, reuse)
-        pickler.dump(obj)
-        return pickler.key()
-    except RecursionError:
-        logger.debug("%s is nested too deeply to fingerprint", type(obj).__qualname__)
-    except Exception:
-        logger.debug("cannot fingerprint %s", type(obj).__qualname__, exc_info=True)
-    return None
+    found = identify(obj, memo, reuse)
+    return None if found is None else found[0]
 
 
-__all__ = ["Key", "Memo", "fingerprint", "leaf_digest", "register_fingerprint"]
+__all__ = [
+    "Identified",
+    "Key",
+    "Memo",
+    "TensorElements",
+    "fingerprint",
+    "identify",
+    "leaf_digest",
+    "register_fingerprint",
+]

@@ -15,10 +15,11 @@ from ray import ObjectRef
 
 from . import _stats
 from ._cache import RefCache
-from ._fingerprint import Key, Memo, fingerprint
+from ._fingerprint import Key, Memo, identify
 from ._patch import SubmitScope, active_scope, ensure_installed
 from ._session import current_session
 from ._sizing import estimate_size
+from ._structure import structure_stamp
 
 logger = logging.getLogger("refshare")
 
@@ -88,18 +89,21 @@ class Options:
 class Scope:
     """One decorated call or ``sharing`` block: shares the arguments of what it submits.
 
-    The memo lets an object sent again be reused without hashing while its stamp holds (see
-    ``leaf_digest``), and ``local`` lets each content be put once per scope even when no
-    cache is used or the value exceeds the cache budget.
+    The memo lets an array or tensor sent again be reused without hashing while its stamp
+    holds (see ``leaf_digest``); ``pickled`` does the same for values that had to be pickled
+    to be keyed, under a stamp of their whole structure (see ``structure_stamp``), so each
+    is serialized at most once per call. ``local`` lets each content be put once per scope
+    even when no cache is used or the value exceeds the cache budget.
     """
 
-    __slots__ = ("cache", "local", "memo", "min_bytes", "reuse", "session")
+    __slots__ = ("cache", "local", "memo", "min_bytes", "pickled", "reuse", "session")
 
     def __init__(self, options: Options) -> None:
         self.min_bytes = options.min_bytes
         self.cache = options.cache
         self.reuse = options.reuse_fingerprints
         self.memo: Memo = {}
+        self.pickled: dict[int, tuple[object, Any, Key, int]] = {}
         self.local: dict[Key, Any] = {}
         self.session: tuple[str, str] | None = None
 
@@ -145,12 +149,36 @@ class Scope:
                 self.cache.bind_session(self.session)
         return True
 
+    def identify(self, value: Any, nbytes: int) -> tuple[Key, Any, int] | None:
+        """Key ``value``: ``(key, what to put, bytes it weighs)``, or ``None`` for by value.
+
+        A value that had to be pickled to be keyed is stored as that pickle and weighs what
+        it pickled to; within this scope it is not pickled again while its structure stamp
+        holds."""
+        entry = self.pickled.get(id(value))
+        if entry is not None and entry[0] is value:
+            stamp = structure_stamp(value)
+            if stamp is not None and stamp[0] == entry[1][0]:
+                return entry[2], value, entry[3]
+        found = identify(value, self.memo, self.reuse)
+        if found is None:
+            return None
+        key, serialized, costly = found
+        if serialized is not None:
+            nbytes = serialized.nbytes
+        if costly:
+            stamp = structure_stamp(value)
+            if stamp is not None:
+                self.pickled[id(value)] = (value, stamp, key, nbytes)
+        return key, value if serialized is None else serialized, nbytes
+
     def put(self, value: Any, nbytes: int, fallback: Any) -> Any:
         """The ref for ``value``'s content: found in the scope or cache, or put now."""
-        key = fingerprint(value, self.memo, self.reuse)
-        if key is None:
+        found = self.identify(value, nbytes)
+        if found is None:
             _stats.record_by_value()
             return fallback
+        key, stored, nbytes = found
         ref = self.local.get(key)
         if ref is None and self.cache is not None:
             ref = self.cache.get(key)
@@ -161,7 +189,7 @@ class Scope:
                 logger.debug("hit  %d bytes, key %s", nbytes, key.hex()[:12])
             return ref
         try:
-            ref = ray.put(value)
+            ref = ray.put(stored)
         except Exception:
             # Ray by value gives the user the error they would get without refshare.
             logger.debug("ray.put failed; sending by value", exc_info=True)

@@ -90,3 +90,28 @@ class Controller:
         with refshare.sharing():  # a decorator on this method would not survive shipping
             received = ray.get([w.receive.remote(batch) for w in group])
         return received, tuple(refshare.stats())
+
+
+class SelfPickling(dict):  # type: ignore[type-arg]
+    """A batch whose pickling runs code of its own, as verl's DataProto and SkyRL's
+    TensorBatch do: ``__reduce__`` saves its arrays into one bytes blob. Counts the calls
+    in this process, so a test sees how often the driver serialized it."""
+
+    reduced = 0
+    _lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import io
+
+        with SelfPickling._lock:
+            SelfPickling.reduced += 1
+        blob = io.BytesIO()
+        np.savez(blob, **self)
+        return (_load_self_pickling, (blob.getvalue(),))
+
+
+def _load_self_pickling(blob: bytes) -> SelfPickling:
+    import io
+
+    with np.load(io.BytesIO(blob)) as arrays:
+        return SelfPickling({key: arrays[key] for key in arrays.files})

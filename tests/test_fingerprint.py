@@ -76,7 +76,7 @@ def test_large_buffers_hash_in_chunks_by_content_only() -> None:
 
 
 def test_memo_hashes_each_array_once_per_call() -> None:
-    a = np.zeros(1000)
+    a = np.zeros(1 << 16)  # small arrays are hashed each time: cheaper than a stamp
     memo: refshare._fingerprint.Memo = {}
     key = fingerprint(a, memo)
     assert memo[id(a)][0] is a and memo[id(a)][2] == key
@@ -93,7 +93,16 @@ def test_unfingerprintable_values_give_none() -> None:
 
     assert fingerprint(Unpicklable()) is None
     assert fingerprint(x for x in range(3)) is None
-    assert fingerprint([lambda: None]) is None
+
+
+def test_a_function_sent_as_code_is_keyed_by_the_pickle_ray_sends() -> None:
+    def make(offset: int) -> object:
+        return lambda x: x + offset  # cloudpickle sends its code and the closure
+
+    same = make(1)
+    assert fingerprint([same]) is not None
+    assert fingerprint([same]) == fingerprint([same])
+    assert fingerprint([make(1)]) != fingerprint([make(2)])
 
 
 def test_object_arrays_and_subclasses_use_their_pickled_form() -> None:
@@ -207,5 +216,7 @@ def test_tensors_off_the_cpu_are_neither_sized_nor_hashed() -> None:
     # No GPU here: a "meta" tensor takes the same path as a CUDA one, any device but the CPU.
     off_cpu = torch.empty(1 << 20, device="meta")
     assert estimate_size(off_cpu) == 0  # never reaches min_bytes: goes by value, unchanged
-    assert fingerprint(off_cpu) is None
-    assert fingerprint({"weights": off_cpu, "x": np.zeros(10)}) is None
+    # Inside a container, it is keyed by the pickle Ray would send (see _serialized).
+    batch = {"weights": off_cpu, "x": np.zeros(10)}
+    assert fingerprint(batch) is not None
+    assert fingerprint(batch) == fingerprint({"weights": off_cpu.clone(), "x": np.zeros(10)})
