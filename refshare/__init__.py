@@ -1,5 +1,6 @@
 """share large, repeated Ray task arguments by reference, with one decorator."""
 
+from . import _batches  # noqa: F401  (registers the batch types, lazily)
 from ._cache import RefCache
 from ._fingerprint import fingerprint, register_fingerprint
 from ._patch import install, is_installed, uninstall

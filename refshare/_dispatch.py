@@ -14,10 +14,13 @@ class TypeTable(Generic[V]):
 
     ``lazy`` maps a top-level package name ("numpy", "torch") to a function that fills in
     that package's entries. It runs when an object of that package is first looked up, so
-    refshare never imports a package the user's own code has not.
+    refshare never imports a package the user's own code has not. A function that returns
+    ``False`` found the module it looks for not imported yet, and runs again next time.
     """
 
-    def __init__(self, lazy: dict[str, Callable[[TypeTable[V]], None]] | None = None) -> None:
+    def __init__(
+        self, lazy: dict[str, Callable[[TypeTable[V]], bool | None]] | None = None
+    ) -> None:
         self._entries: dict[type, V] = {}
         self._resolved: dict[type, V | None] = {}
         self._lazy = dict(lazy or {})
@@ -29,8 +32,8 @@ class TypeTable(Generic[V]):
 
     def _load(self, cls: type) -> None:
         root = getattr(cls, "__module__", "").partition(".")[0]
-        if root in self._lazy and root in sys.modules:
-            self._lazy.pop(root)(self)
+        if root in self._lazy and root in sys.modules and self._lazy[root](self) is not False:
+            del self._lazy[root]
 
     def exact(self, cls: type) -> V | None:
         """The value registered for ``cls`` itself (subclasses may carry state of their own)."""
@@ -40,10 +43,17 @@ class TypeTable(Generic[V]):
             found = self._entries.get(cls)
         return found
 
+    def add_lazy(self, root: str, fill: Callable[[TypeTable[V]], bool | None]) -> None:
+        """Have ``fill`` add the entries of package ``root`` once that package is in use."""
+        self._lazy[root] = fill
+        self._resolved.clear()
+
     def lookup(self, cls: type) -> V | None:
         """The value for ``cls`` or its nearest registered base class, cached per class."""
         try:
-            return self._resolved[cls]
+            found = self._resolved[cls]
+            if found is not None or not self._lazy:
+                return found
         except KeyError:
             pass
         for base in cls.__mro__:

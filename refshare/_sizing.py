@@ -26,7 +26,8 @@ _SCALARS = (int, float, complex, bool, type(None))
 def _numpy_sizes(table: TypeTable[SizeFn]) -> None:
     import numpy as np
 
-    table.register(np.ndarray, lambda a: int(a.nbytes), replace=False)
+    # An array of Python objects pickles each object: it is sized by walking them.
+    table.register(np.ndarray, lambda a: -1 if a.dtype.hasobject else int(a.nbytes), replace=False)
     table.register(np.generic, lambda s: int(s.nbytes), replace=False)
 
 
@@ -52,7 +53,8 @@ _sizes: TypeTable[SizeFn] = TypeTable({"numpy": _numpy_sizes, "torch": _torch_si
 def register_size(cls: type, size: SizeFn) -> None:
     """Teach refshare how many bytes an instance of ``cls`` (or a subclass) will serialize to.
 
-    ``size(obj)`` must be cheap: it runs on every argument before anything is hashed.
+    ``size(obj)`` must be cheap: it runs on every argument before anything is hashed. A
+    negative size means "walk its members instead".
     """
     if not isinstance(cls, type):
         raise TypeError(f"register_size() takes a class, got {cls!r}")
@@ -69,7 +71,10 @@ def _leaf_size(obj: object) -> int | None:
     if cls is bytes or cls is str or cls is bytearray:
         return len(obj)  # type: ignore[arg-type]
     size = _sizes.lookup(cls)
-    return None if size is None else size(obj)
+    if size is None:
+        return None
+    found = size(obj)
+    return None if found < 0 else found
 
 
 _slots: dict[type, tuple[str, ...]] = {}
@@ -118,6 +123,8 @@ class _Sizing:
             self.add_members(obj, len(obj))
         elif isinstance(obj, memoryview):
             self.total += obj.nbytes
+        elif getattr(getattr(obj, "dtype", None), "hasobject", False):  # numpy, of objects
+            self.add_members(obj.flat, obj.size)  # type: ignore[attr-defined]
         else:
             state = getattr(obj, "__dict__", None)
             slots = _slot_names(type(obj))

@@ -1,0 +1,219 @@
+"""The batch types RL frameworks send: sizes that mean what Ray stores, and sharing that
+costs one serialization per distinct value, against the real packages where installed.
+
+verl's ``DataProto`` and ``tensordict`` are tested for real when they import (``.ci/run``
+installs them in a venv of their own); torch cases run wherever torch does.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+import refshare
+
+pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
+
+N = 4
+torch = pytest.importorskip("torch")
+
+
+@ray.remote(num_cpus=0.1)
+class Reader:
+    def read(self, value: Any) -> Any:
+        return describe(value)
+
+
+def describe(value: Any) -> Any:
+    """Type, and for each tensor or array: dtype, shape, contiguity and a checksum."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape), value.is_inference(),
+                float(value.double().sum()))  # fmt: skip
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tolist() if value.dtype.hasobject
+                else float(value.astype(np.float64).sum()))  # fmt: skip
+    if isinstance(value, dict):
+        return {key: describe(item) for key, item in value.items()}
+    batch = getattr(value, "batch", None)
+    if batch is not None or hasattr(value, "non_tensor_batch"):  # a verl DataProto
+        tensors = {k: describe(t) for k, t in batch.items()} if batch is not None else None
+        return (type(value).__name__, tensors, describe(value.non_tensor_batch), value.meta_info)
+    if hasattr(value, "batch_size") and hasattr(value, "items"):  # a TensorDict
+        return (type(value).__name__, tuple(value.batch_size),
+                {k: describe(t) for k, t in value.items()})  # fmt: skip
+    return type(value).__name__, repr(value)[:80]
+
+
+@pytest.fixture(scope="module")
+def readers(local_ray: None) -> list[Any]:
+    group = [Reader.remote() for _ in range(N)]
+    ray.get([r.read.remote(0) for r in group])
+    return group
+
+
+def send_each(readers: list[Any], values: list[Any]) -> list[Any]:
+    """One distinct value per reader, as data-parallel dispatch sends chunks."""
+    return ray.get([r.read.remote(v) for r, v in zip(readers, values, strict=True)])
+
+
+def broadcast(readers: list[Any], value: Any) -> list[Any]:
+    return ray.get([r.read.remote(value) for r in readers])
+
+
+shared_send_each = refshare.shared_args(send_each)
+shared_broadcast = refshare.shared_args(broadcast)
+
+
+# -- sizes --------------------------------------------------------------------------------
+
+
+def test_a_torch_view_weighs_the_storage_its_pickle_sends() -> None:
+    parent = torch.zeros(256, 1024)
+    view = parent[:64]
+    assert refshare.estimate_size(view) == parent.nbytes
+    assert len(pickle.dumps(view)) >= parent.nbytes
+
+
+def test_an_object_array_weighs_its_elements() -> None:
+    uids = np.array([f"uid-{i:08d}-{'x' * 40}" for i in range(5000)], dtype=object)
+    size = refshare.estimate_size(uids)
+    assert size >= 5000 * 52 > uids.nbytes
+    assert size <= len(pickle.dumps(uids))
+
+
+# -- inference mode -----------------------------------------------------------------------
+
+
+def test_inference_mode_tensors_are_shared_like_any_cpu_tensor(readers: list[Any]) -> None:
+    with torch.inference_mode():
+        log_probs = torch.randn(256, 1024)
+        values = {"old_log_probs": log_probs, "values": torch.randn(256, 512)}
+    assert log_probs.is_inference()
+    assert shared_broadcast(readers, values) == broadcast(readers, values)
+    stats = refshare.stats()
+    assert (stats.puts, stats.hits, stats.by_value) == (1, N - 1, 0), stats
+    assert (
+        shared_broadcast(readers, {k: v.clone() for k, v in values.items()})[0]
+        == (broadcast(readers, values)[0])
+    )
+    assert refshare.stats().puts == 1  # equal content in a new call: found again
+
+
+def test_an_inference_tensor_changed_within_one_call_is_sent_anew(readers: list[Any]) -> None:
+    with torch.inference_mode():
+        t = torch.zeros(512, 512)
+
+    @refshare.shared_args
+    def change_midway() -> list[Any]:
+        first = ray.get(readers[0].read.remote(t))
+        with torch.inference_mode():
+            t.add_(1.0)  # inference tensors have no version counter: the spot check sees it
+        return [first, ray.get(readers[1].read.remote(t))]
+
+    first, second = change_midway()
+    assert first[-1] == 0.0 and second[-1] == float(512 * 512)
+
+
+# -- tensordict ---------------------------------------------------------------------------
+
+
+def test_tensordict_chunks_are_shared_without_a_serialization_per_hit(
+    readers: list[Any],
+) -> None:
+    tensordict = pytest.importorskip("tensordict")
+    td = tensordict.TensorDict(
+        {"input_ids": torch.randint(0, 1000, (64, 2048)), "mask": torch.ones(64, 2048)},
+        batch_size=[64],
+    )
+    chunks = list(td.chunk(N))
+    # Each chunk's pickle holds its parents' whole storages, and so does its size.
+    assert refshare.estimate_size(chunks[0]) >= td["input_ids"].nbytes + td["mask"].nbytes
+    assert shared_send_each(readers, chunks) == send_each(readers, chunks)
+    assert shared_send_each(readers, list(td.clone().chunk(N))) == send_each(readers, chunks)
+    stats = refshare.stats()
+    assert (stats.puts, stats.hits, stats.by_value) == (N, N, 0), stats
+
+
+# -- verl's DataProto ---------------------------------------------------------------------
+
+
+def dataproto_batch(rows: int = 64) -> Any:
+    protocol = pytest.importorskip("verl.protocol")
+    tensordict = pytest.importorskip("tensordict")
+    batch = tensordict.TensorDict(
+        {
+            "input_ids": torch.randint(0, 32_000, (rows, 1024)),
+            "attention_mask": torch.ones(rows, 1024, dtype=torch.int64),
+            "responses": torch.randint(0, 32_000, (rows, 512)),
+        },
+        batch_size=[rows],
+    )
+    uids = np.array([f"uid-{i}" for i in range(rows)], dtype=object)
+    return protocol.DataProto(batch=batch, non_tensor_batch={"uid": uids}, meta_info={"t": 1})
+
+
+@pytest.fixture
+def getstate_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the driver's serializations of DataProto (its own ``__getstate__``)."""
+    protocol = pytest.importorskip("verl.protocol")
+    original = protocol.DataProto.__getstate__
+    calls = [0]
+
+    def counted(self: Any) -> Any:
+        calls[0] += 1
+        return original(self)
+
+    monkeypatch.setattr(protocol.DataProto, "__getstate__", counted)
+    return calls
+
+
+def test_a_dataproto_chunk_weighs_its_own_rows() -> None:
+    data = dataproto_batch()
+    chunk = data.chunk(N)[1]
+    rows = sum(t.nbytes for t in chunk.batch.values())
+    assert chunk.batch["input_ids"].untyped_storage().nbytes() == data.batch["input_ids"].nbytes
+    assert rows <= refshare.estimate_size(chunk) <= rows + (64 << 10)
+    assert abs(len(pickle.dumps(chunk)) - refshare.estimate_size(chunk)) < 64 << 10
+
+
+def test_dataproto_chunks_are_serialized_once_each(
+    readers: list[Any], getstate_calls: list[int]
+) -> None:
+    data = dataproto_batch()
+    chunks = data.chunk(N)
+    by_value = send_each(readers, chunks)
+    assert getstate_calls[0] == N
+    getstate_calls[0] = 0
+    assert shared_send_each(readers, chunks) == by_value
+    assert getstate_calls[0] == N  # one per distinct chunk: keyed without serializing
+    again = copy.deepcopy(data).chunk(N)  # deepcopy pickles it: before counting
+    getstate_calls[0] = 0
+    assert shared_send_each(readers, again) == by_value
+    assert getstate_calls[0] == 0  # equal content, new objects: nothing serialized
+    stats = refshare.stats()
+    assert (stats.puts, stats.hits, stats.by_value) == (N, N, 0), stats
+
+
+def test_a_grown_dataproto_is_new_content(readers: list[Any]) -> None:
+    protocol = pytest.importorskip("verl.protocol")
+    data = dataproto_batch()
+    shared_send_each(readers, data.chunk(N))
+    extra = protocol.DataProto.from_dict({"old_log_probs": torch.randn(64, 512)})
+    grown = data.union(extra)
+    assert shared_send_each(readers, grown.chunk(N)) == send_each(readers, grown.chunk(N))
+    assert refshare.stats().puts == 2 * N
+
+
+def test_a_dataproto_broadcast_is_keyed_once_per_call(
+    readers: list[Any], getstate_calls: list[int]
+) -> None:
+    data = dataproto_batch()
+    assert shared_broadcast(readers, data) == broadcast(readers, data)
+    assert getstate_calls[0] == 1 + N  # refshare's one put, then Ray by value N times
+    stats = refshare.stats()
+    assert (stats.puts, stats.hits) == (1, N - 1), stats
