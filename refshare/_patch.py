@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import importlib
 import inspect
 import logging
@@ -20,9 +21,14 @@ class SubmitScope(Protocol):
 
     def rewrite(self, args: Any, kwargs: Any) -> tuple[Any, Any]: ...
 
+    def put(self, value: Any, **options: Any) -> Any:
+        """The ref for a ``ray.put(value, **options)`` made in the scope, or ``None`` to
+        leave that put to Ray."""
+
 
 #: The scope whose ``.remote()`` calls are being shared; ``None`` outside every scope.
-#: Threads do not inherit it; asyncio tasks copy it when they are created.
+#: asyncio tasks copy it when they are created, and so do tasks submitted to a
+#: ``ThreadPoolExecutor`` from inside a scope (see ``_make_pool_submit``).
 active_scope: ContextVar[SubmitScope | None] = ContextVar("refshare_scope", default=None)
 
 #: Ray's submit methods: every ``.remote()`` and ``.options(...).remote()`` ends in one.
@@ -34,6 +40,11 @@ TARGETS: tuple[tuple[str, str, str], ...] = (
     ("ray.actor", "ActorClass", "_remote"),  # actor creation
 )
 _EXPECTED_PARAMETERS = ["self", "args", "kwargs"]
+#: ``ray.put`` inside a scope is content-addressed; its first parameter is the value.
+PUT_TARGET = ("ray", "put")
+#: Tasks submitted to a thread pool from inside a scope run in a copy of the submitter's
+#: context, as ``asyncio.to_thread`` does, so frameworks that put from a pool are shared.
+POOL_TARGET = ("concurrent.futures", "ThreadPoolExecutor", "submit")
 
 
 def _rewrite_call(
@@ -84,14 +95,46 @@ def _make_submit(owner: type) -> Callable[[Callable[..., Any], Any, Any, Any], A
     return submit
 
 
+def _put(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``ray.put``: outside a scope, one context-variable lookup."""
+    scope = active_scope.get()
+    if scope is None or not _installed or len(args) != 1:
+        return wrapped(*args, **kwargs)
+    try:
+        ref = scope.put(args[0], **kwargs)
+    except Exception:  # never break a put that works
+        logger.debug("putting as Ray would after an internal error", exc_info=True)
+        ref = None
+    return wrapped(*args, **kwargs) if ref is None else ref
+
+
+def _pool_submit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    """``ThreadPoolExecutor.submit``: inside a scope, the task runs in a copy of the
+    submitter's context (a fresh copy per task: one context cannot run in two threads)."""
+    if active_scope.get() is None or not _installed or not args:
+        return wrapped(*args, **kwargs)
+    context = contextvars.copy_context()
+    return wrapped(context.run, *args, **kwargs)
+
+
+def raw_put(value: Any) -> Any:
+    """``ray.put`` beneath refshare's patch (what the scope itself stores with)."""
+    for patch in _patches:
+        if patch.cls.__name__ == PUT_TARGET[0] and patch.attribute == PUT_TARGET[1]:
+            return patch.original(value)
+    import ray
+
+    return ray.put(value)
+
+
 class _Patch:
     __slots__ = ("attribute", "cls", "left_on_top", "original", "wrapper")
 
-    def __init__(self, cls: type, attribute: str, original: Any) -> None:
+    def __init__(self, cls: Any, attribute: str, original: Any, wrapper: Any = None) -> None:
         self.cls = cls
         self.attribute = attribute
         self.original = original
-        self.wrapper = wrapt.FunctionWrapper(original, _make_submit(cls))
+        self.wrapper = wrapt.FunctionWrapper(original, wrapper or _make_submit(cls))
         #: What another library had put on top of refshare's wrapper at uninstall().
         self.left_on_top: Any = None
 
@@ -106,7 +149,7 @@ _auto_installed = False
 _refused = False  # Ray's internals were not what refshare expects; warned once
 
 
-def _find_targets() -> list[tuple[type, str, Any]]:
+def _find_targets() -> list[_Patch]:
     """Locate each target in Ray and check its shape; raise if anything is off."""
     found = []
     for module_name, class_name, attribute in TARGETS:
@@ -118,7 +161,15 @@ def _find_targets() -> list[tuple[type, str, Any]]:
                 f"{module_name}.{class_name}.{attribute} takes {parameters}, "
                 f"expected {_EXPECTED_PARAMETERS}"
             )
-        found.append((cls, attribute, original))
+        found.append(_Patch(cls, attribute, original))
+    module = importlib.import_module(PUT_TARGET[0])
+    put = module.__dict__[PUT_TARGET[1]]
+    first = next(iter(inspect.signature(put).parameters), None)
+    if first != "value":
+        raise TypeError(f"ray.put takes {first!r} first, expected 'value'")
+    found.append(_Patch(module, PUT_TARGET[1], put, _put))
+    pool = getattr(importlib.import_module(POOL_TARGET[0]), POOL_TARGET[1])
+    found.append(_Patch(pool, POOL_TARGET[2], pool.__dict__[POOL_TARGET[2]], _pool_submit))
     return found
 
 
@@ -159,7 +210,7 @@ def install() -> bool:
                     )
                 _refused = True
                 return False
-            _patches.extend(_Patch(cls, name, original) for cls, name, original in targets)
+            _patches.extend(targets)
         for patch in _patches:
             current = patch.current()
             buried = current is patch.left_on_top or _in_chain(current, patch.wrapper)
@@ -199,3 +250,61 @@ def ensure_installed() -> None:
     if not _auto_installed:
         _auto_installed = True
         install()
+
+
+# -- decorated functions shipped by value -------------------------------------------------
+
+#: Wrapper types that must pickle as themselves. Proxies pass ``isinstance(obj,
+#: FunctionType)``, so cloudpickle would otherwise pickle the bare function they wrap.
+self_pickling_types: set[type] = set()
+_pickling_patched = False
+
+
+def _reducer_override(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+    obj: Any = args[0] if args else None
+    cls = type(obj)
+    if cls in self_pickling_types:
+        return obj.__reduce_ex__(5)
+    if cls is wrapt.BoundFunctionWrapper and type(obj._self_parent) in self_pickling_types:
+        # Looked up on a class (as Ray's actor machinery does) or bound to an instance.
+        bound_to = obj._self_instance
+        if bound_to is None:
+            return _identity, (obj._self_parent,)
+        return _bind, (obj._self_parent, bound_to)
+    return wrapped(*args, **kwargs)
+
+
+def _identity(obj: Any) -> Any:
+    return obj
+
+
+def _bind(function: Any, instance: Any) -> Any:
+    return function.__get__(instance, type(instance))
+
+
+def ensure_pickling_patch() -> None:
+    """Have Ray's cloudpickle pickle refshare's decorators as themselves (once, idempotent).
+
+    If cloudpickle is not what refshare expects, decorated functions shipped by value
+    arrive undecorated, as before: their data still goes by value, correctly.
+    """
+    global _pickling_patched
+    if _pickling_patched:
+        return
+    with _lock:
+        if _pickling_patched:
+            return
+        _pickling_patched = True
+        try:
+            from ray import cloudpickle
+
+            pickler = cloudpickle.CloudPickler
+            original = pickler.__dict__["reducer_override"]
+            wrapper = wrapt.FunctionWrapper(original, _reducer_override)
+            setattr(pickler, "reducer_override", wrapper)  # noqa: B010
+        except Exception as error:
+            logger.warning(
+                "Ray's cloudpickle is not what refshare expects (%s): a decorated function "
+                "shipped by value to another process loses the decorator there",
+                error,
+            )

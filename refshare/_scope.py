@@ -16,7 +16,14 @@ from ray import ObjectRef
 from . import _stats
 from ._cache import RefCache
 from ._fingerprint import Key, Memo, identify
-from ._patch import SubmitScope, active_scope, ensure_installed
+from ._patch import (
+    SubmitScope,
+    active_scope,
+    ensure_installed,
+    ensure_pickling_patch,
+    raw_put,
+    self_pickling_types,
+)
 from ._session import current_session
 from ._sizing import estimate_size
 from ._structure import structure_stamp
@@ -53,7 +60,7 @@ def _disabled_by_env() -> bool:
 class Options:
     """Validated options of one decorator or ``sharing`` block."""
 
-    __slots__ = ("cache", "enabled", "min_bytes", "reuse_fingerprints")
+    __slots__ = ("_cache_option", "cache", "enabled", "min_bytes", "puts", "reuse_fingerprints")
 
     def __init__(
         self,
@@ -61,6 +68,7 @@ class Options:
         cache: CacheOption = True,
         enabled: bool = True,
         reuse_fingerprints: bool = False,
+        puts: bool = True,
     ) -> None:
         if min_bytes is None:
             min_bytes = DEFAULT_MIN_BYTES
@@ -78,12 +86,27 @@ class Options:
             raise TypeError(f"enabled={enabled!r}: pass True or False")
         if not isinstance(reuse_fingerprints, bool):
             raise TypeError(f"reuse_fingerprints={reuse_fingerprints!r}: pass True or False")
+        if not isinstance(puts, bool):
+            raise TypeError(f"puts={puts!r}: pass True or False")
+        self.puts = puts
+        self._cache_option = cache
         self.reuse_fingerprints = reuse_fingerprints
         self.min_bytes = min_bytes
         self.cache: RefCache | None = (
             _process_cache if cache is True else (cache if isinstance(cache, RefCache) else None)
         )
         self.enabled = enabled
+
+    def spec(self) -> dict[str, Any]:
+        """The options as keyword arguments, for another process: a cache of your own
+        becomes that process's own cache there."""
+        return {
+            "min_bytes": self.min_bytes,
+            "cache": self._cache_option if isinstance(self._cache_option, bool) else True,
+            "enabled": self.enabled,
+            "reuse_fingerprints": self.reuse_fingerprints,
+            "puts": self.puts,
+        }
 
 
 class Scope:
@@ -96,12 +119,13 @@ class Scope:
     even when no cache is used or the value exceeds the cache budget.
     """
 
-    __slots__ = ("cache", "local", "memo", "min_bytes", "pickled", "reuse", "session")
+    __slots__ = ("cache", "local", "memo", "min_bytes", "pickled", "puts", "reuse", "session")
 
     def __init__(self, options: Options) -> None:
         self.min_bytes = options.min_bytes
         self.cache = options.cache
         self.reuse = options.reuse_fingerprints
+        self.puts = options.puts
         self.memo: Memo = {}
         self.pickled: dict[int, tuple[object, Any, Key, int]] = {}
         self.local: dict[Key, Any] = {}
@@ -137,7 +161,20 @@ class Scope:
         if not self.ready():
             return value  # Ray is not running yet: it starts on this very call
         # Sized again in full (the first estimate stops at min_bytes) for stats and budget.
-        return self.put(value, estimate_size(value), fallback=value)
+        return self.store(value, estimate_size(value), fallback=value)
+
+    def put(self, value: Any, **options: Any) -> Any:
+        """The ref for ``ray.put(value, **options)`` made inside this scope: found by
+        content or stored now; ``None`` leaves the put to Ray (small values, options such
+        as ``_owner``, ``puts=False``)."""
+        if not self.puts or any(v is not None for v in options.values()):
+            return None
+        if type(value) in _SMALL_TYPES or isinstance(value, ObjectRef):
+            return None  # Ray's own error for a ref, unchanged
+        if estimate_size(value, self.min_bytes) < self.min_bytes or not self.ready():
+            return None
+        _stats.record_put_call()
+        return self.store(value, estimate_size(value), fallback=None)
 
     def ready(self) -> bool:
         """Whether Ray is running; binds the cache to its session the first time."""
@@ -172,7 +209,7 @@ class Scope:
                 self.pickled[id(value)] = (value, stamp, key, nbytes)
         return key, value if serialized is None else serialized, nbytes
 
-    def put(self, value: Any, nbytes: int, fallback: Any) -> Any:
+    def store(self, value: Any, nbytes: int, fallback: Any) -> Any:
         """The ref for ``value``'s content: found in the scope or cache, or put now."""
         found = self.identify(value, nbytes)
         if found is None:
@@ -189,7 +226,7 @@ class Scope:
                 logger.debug("hit  %d bytes, key %s", nbytes, key.hex()[:12])
             return ref
         try:
-            ref = ray.put(stored)
+            ref = raw_put(stored)
         except Exception:
             # Ray by value gives the user the error they would get without refshare.
             logger.debug("ray.put failed; sending by value", exc_info=True)
@@ -216,8 +253,8 @@ class sharing:
     """Share large arguments of every Ray submission made inside a ``with`` block.
 
     Takes the same options as :func:`shared_args`. Reusable and re-entrant; each entry
-    starts a fresh scope, and the innermost scope's options apply. Threads started inside
-    the block do not inherit it.
+    starts a fresh scope, and the innermost scope's options apply. Tasks submitted to a
+    ``ThreadPoolExecutor`` inside the block run in it too; threads started by hand do not.
     """
 
     def __init__(
@@ -227,8 +264,9 @@ class sharing:
         cache: CacheOption = True,
         enabled: bool = True,
         reuse_fingerprints: bool = False,
+        puts: bool = True,
     ) -> None:
-        self._options = Options(min_bytes, cache, enabled, reuse_fingerprints)
+        self._options = Options(min_bytes, cache, enabled, reuse_fingerprints, puts)
         self._tokens: list[Token[SubmitScope | None]] = []
 
     def __enter__(self) -> sharing:
@@ -237,6 +275,53 @@ class sharing:
 
     def __exit__(self, *exc_info: object) -> None:
         active_scope.reset(self._tokens.pop())
+
+
+def _runner(options: Options, asynchronous: bool) -> Callable[..., Any]:
+    if asynchronous:
+
+        async def run_async(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+            token = _enter(options)
+            try:
+                return await wrapped(*args, **kwargs)
+            finally:
+                active_scope.reset(token)
+
+        return run_async
+
+    def run(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        token = _enter(options)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            active_scope.reset(token)
+
+    return run
+
+
+class SharedFunction(wrapt.FunctionWrapper):  # type: ignore[type-arg]
+    """What ``@shared_args`` returns: the function, run inside a scope with its options.
+
+    It pickles as itself, options included, so a decorated method of a class that
+    cloudpickle ships by value (defined in ``__main__`` or a notebook, used in an actor)
+    still shares in the process that unpickles it.
+    """
+
+    def __init__(self, wrapped: Any, options: Options) -> None:
+        target = getattr(wrapped, "__func__", wrapped)
+        super().__init__(wrapped, _runner(options, inspect.iscoroutinefunction(target)))
+        self._self_options = options
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, ...]]:
+        return _rebuild, (self.__wrapped__, self._self_options.spec())
+
+
+def _rebuild(wrapped: Any, spec: dict[str, Any]) -> Any:
+    ensure_pickling_patch()
+    return SharedFunction(wrapped, Options(**spec))
+
+
+self_pickling_types.add(SharedFunction)
 
 
 def _make_decorator(options: Options) -> Callable[[_F], _F]:
@@ -249,26 +334,8 @@ def _make_decorator(options: Options) -> Callable[[_F], _F]:
                 f"@shared_args cannot decorate the generator {target.__qualname__!r}: its body "
                 "runs after the call returns. Use `with refshare.sharing():` inside it instead."
             )
-
-        if inspect.iscoroutinefunction(target):
-
-            async def run_async(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-                token = _enter(options)
-                try:
-                    return await wrapped(*args, **kwargs)
-                finally:
-                    active_scope.reset(token)
-
-            return cast(_F, wrapt.FunctionWrapper(func, run_async))
-
-        def run(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-            token = _enter(options)
-            try:
-                return wrapped(*args, **kwargs)
-            finally:
-                active_scope.reset(token)
-
-        return cast(_F, wrapt.FunctionWrapper(func, run))
+        ensure_pickling_patch()
+        return cast(_F, SharedFunction(func, options))
 
     return decorate
 
@@ -284,6 +351,7 @@ def shared_args(
     cache: CacheOption = True,
     enabled: bool = True,
     reuse_fingerprints: bool = False,
+    puts: bool = True,
 ) -> Callable[[_F], _F]: ...
 
 
@@ -295,6 +363,7 @@ def shared_args(
     cache: CacheOption = True,
     enabled: bool = True,
     reuse_fingerprints: bool = False,
+    puts: bool = True,
 ) -> _F | Callable[[_F], _F]:
     """Share the large arguments of every Ray call the decorated function submits.
 
@@ -317,11 +386,16 @@ def shared_args(
             behind torch's or numpy's back (through ``.numpy()``/``.data``/DLPack views of a
             tensor, or by making a read-only array writeable again); refshare could then
             send the old content.
+        puts: ``True`` (the default) makes ``ray.put(value)`` inside the function
+            content-addressed too: a large value equal to one already stored returns that
+            ref instead of storing it again. Ray objects are immutable, so a shared ref
+            is safe; only ``ray.put(...) is``/``==`` comparisons of refs can tell.
+            Puts with ``_owner`` or other options, and small values, go to Ray untouched.
 
     Use bare (``@shared_args``) or with options (``@shared_args(min_bytes=1 << 20)``).
     Options are checked here, when decorating.
     """
-    decorate = _make_decorator(Options(min_bytes, cache, enabled, reuse_fingerprints))
+    decorate = _make_decorator(Options(min_bytes, cache, enabled, reuse_fingerprints, puts))
     return decorate if func is None else decorate(func)
 
 
@@ -334,6 +408,6 @@ def share(value: Any) -> ray.ObjectRef[Any]:
     current = active_scope.get()
     scope = current if isinstance(current, Scope) else Scope(Options(min_bytes=0))
     if _disabled_by_env() or not scope.ready():
-        return ray.put(value)
-    ref = scope.put(value, estimate_size(value), fallback=None)
-    return ray.put(value) if ref is None else ref
+        return cast("ray.ObjectRef[Any]", raw_put(value))
+    ref = scope.store(value, estimate_size(value), fallback=None)
+    return cast("ray.ObjectRef[Any]", raw_put(value) if ref is None else ref)

@@ -13,7 +13,8 @@ class Stats(NamedTuple):
     ``bytes_saved`` count arguments that travelled as an existing ref instead of being
     serialized again; ``evictions`` counts refs dropped to stay within a cache's budget;
     ``by_value`` counts large arguments refshare could not fingerprint or put, which went
-    to Ray unchanged.
+    to Ray unchanged; ``put_calls`` counts ``ray.put`` calls made inside a scope that
+    refshare answered by content (each also counts as a put or a hit).
     """
 
     puts: int = 0
@@ -22,11 +23,14 @@ class Stats(NamedTuple):
     bytes_saved: int = 0
     evictions: int = 0
     by_value: int = 0
+    put_calls: int = 0
 
 
 _lock = threading.Lock()
 _counts = [0] * len(Stats._fields)
-_PUTS, _HITS, _BYTES_PUT, _BYTES_SAVED, _EVICTIONS, _BY_VALUE = range(len(Stats._fields))
+_PUTS, _HITS, _BYTES_PUT, _BYTES_SAVED, _EVICTIONS, _BY_VALUE, _PUT_CALLS = range(
+    len(Stats._fields)
+)
 
 
 _DESCRIPTIONS = {
@@ -36,6 +40,7 @@ _DESCRIPTIONS = {
     "bytes_saved": "Bytes not serialized again thanks to a hit",
     "evictions": "Refs dropped to keep a cache within its budget",
     "by_value": "Large arguments refshare could not share, sent by value",
+    "put_calls": "ray.put calls inside a scope answered by content",
 }
 
 #: Ray metric counters, one per field, once :func:`enable_metrics` was called.
@@ -47,7 +52,8 @@ def enable_metrics(enabled: bool = True) -> None:
 
     They appear on Ray's metrics endpoint and dashboard as ``refshare_puts``,
     ``refshare_hits``, ``refshare_bytes_put``, ``refshare_bytes_saved``,
-    ``refshare_evictions`` and ``refshare_by_value``, counted from the moment they are on.
+    ``refshare_evictions``, ``refshare_by_value`` and ``refshare_put_calls``, counted
+    from the moment they are on.
     """
     global _metrics
     if not enabled:
@@ -86,6 +92,10 @@ def record_eviction() -> None:
 
 def record_by_value() -> None:
     _add(_BY_VALUE)
+
+
+def record_put_call() -> None:
+    _add(_PUT_CALLS)
 
 
 def stats() -> Stats:

@@ -122,12 +122,6 @@ class AsyncFanOut:
         return tuple(refshare.stats())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the actor class is shipped by value with cloudpickle, which reduces the wrapt "
-    "FunctionWrapper of @shared_args as the plain function it wraps: the decorator is lost "
-    "in the worker, nothing is shared (data still right, by value)",
-)
 def test_an_async_actor_fanning_out_concurrently(group: list[Any]) -> None:
     actor = AsyncFanOut.options(max_concurrency=16).remote()
     results = ray.get([actor.run.remote(group, m) for m in range(300, 316)], timeout=120)

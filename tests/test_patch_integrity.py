@@ -253,12 +253,6 @@ def test_toggling_while_other_threads_call(sink: Any) -> None:
     assert results and all(r == summary(marked(m, 256 * 1024)) for m, r in results)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ray.cloudpickle reduces the wrapt FunctionWrapper of @shared_args as the plain "
-    "function it wraps: a decorated function or actor method shipped by value (any "
-    "@ray.remote class) loses the decorator in the worker",
-)
 def test_a_decorated_function_survives_cloudpickle() -> None:
     @refshare.shared_args
     def body() -> None:
