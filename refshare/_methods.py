@@ -1,0 +1,103 @@
+"""patch_methods() and unpatch_methods(): @shared_args on code you do not own."""
+
+from __future__ import annotations
+
+import threading
+import types
+from typing import Any
+
+from ._patch import ensure_pickling_patch
+from ._scope import Options, SharedFunction
+
+#: (owner, name) -> (the attribute refshare replaced, the wrapper it put there).
+_patched: dict[tuple[Any, str], tuple[Any, SharedFunction]] = {}
+_lock = threading.Lock()
+
+
+def _label(owner: Any, name: str) -> str:
+    return f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{name}"
+
+
+def _own_attribute(owner: Any, name: str) -> tuple[Any, Any]:
+    """The attribute as stored (not bound), and the class or module it is stored on."""
+    if isinstance(owner, types.ModuleType):
+        if name in owner.__dict__:
+            return owner.__dict__[name], owner
+    else:
+        for base in owner.__mro__:
+            if name in base.__dict__:
+                return base.__dict__[name], base
+    raise AttributeError(f"{_label(owner, name)} does not exist: check the name")
+
+
+def _chain_holds(current: Any, wrapper: Any) -> bool:
+    for _ in range(32):
+        if current is wrapper:
+            return True
+        current = getattr(current, "__wrapped__", None)
+        if current is None:
+            return False
+    return False
+
+
+def patch_methods(owner: type | types.ModuleType, *names: str, **options: Any) -> list[str]:
+    """Wrap ``owner``'s methods (or a module's functions) with ``shared_args(**options)``.
+
+    For a worker group you do not own: every call of those methods on any instance, old
+    or new, runs in a sharing scope. Idempotent (a method already wrapped is left as it
+    is) and undone by :func:`unpatch_methods`. Returns the ``Class.method`` names wrapped.
+    Raises ``AttributeError`` for a missing method, and the errors of
+    :func:`shared_args` for bad options, before changing anything.
+    """
+    if not names:
+        raise TypeError("patch_methods() needs at least one method name")
+    resolved = Options(**options)
+    found = [(name, *_own_attribute(owner, name)) for name in names]
+    ensure_pickling_patch()
+    wrapped = []
+    with _lock:
+        for name, original, _stored_on in found:
+            entry = _patched.get((owner, name))
+            if entry is not None and _chain_holds(owner.__dict__.get(name), entry[1]):
+                wrapped.append(_label(owner, name))
+                continue
+            wrapper = SharedFunction(original, resolved)
+            setattr(owner, name, wrapper)
+            _patched[(owner, name)] = (original if _stored_on is owner else _INHERITED, wrapper)
+            wrapped.append(_label(owner, name))
+    return wrapped
+
+
+#: Stands for "the method was inherited": unpatching deletes refshare's attribute.
+_INHERITED = object()
+
+
+def unpatch_methods(owner: type | types.ModuleType, *names: str) -> list[str]:
+    """Undo :func:`patch_methods` for ``names`` (all of ``owner``'s, if none are given).
+
+    A method that another library wrapped on top of refshare since is left in place; the
+    refshare layer under it keeps working. Returns the names restored.
+    """
+    restored = []
+    with _lock:
+        targets = names or tuple(name for (o, name) in _patched if o is owner)
+        for name in targets:
+            entry = _patched.get((owner, name))
+            if entry is None:
+                continue
+            original, wrapper = entry
+            if owner.__dict__.get(name) is not wrapper:
+                continue  # someone wrapped it since: leave their wrapper working
+            if original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+            del _patched[(owner, name)]
+            restored.append(_label(owner, name))
+    return restored
+
+
+def patched(owner: Any, name: str) -> bool:
+    """Whether refshare's wrapper of ``owner.name`` is in place."""
+    entry = _patched.get((owner, name))
+    return entry is not None and _chain_holds(owner.__dict__.get(name), entry[1])
