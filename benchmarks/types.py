@@ -1,0 +1,381 @@
+"""The type table: for each kind of value a program sends, what does refshare cost on first
+sight (``share`` misses: hash and put) and on a repeat (``share`` of an equal copy hits: hash
+only), next to a plain ``ray.put``, a fresh ``refshare.fingerprint`` and one bare ``xxh3_128``
+pass over the value's raw bytes? Goals: miss <= max(1.15 x put, put + 1.3 x xxh3), hit <= 0.5
+x put (0.8 for an object array of strings). Medians of interleaved repetitions, warm store.
+
+    python benchmarks/types.py [--quick | --smoke] [--reps N] [--out DIR] [--profile ROW]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import cProfile
+import dataclasses
+import gc
+import importlib.util
+import pickle
+import pstats
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import _harness as bench
+import numpy as np
+import ray
+import xxhash
+from _harness import TIMES, KiB, MiB
+
+import refshare
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+MEASURES = ("put", "fingerprint", "xxh3", "miss", "hit")
+HEADER = ["value", "sent MiB", "put ms", "fingerprint ms", "xxh3 ms (MiB)", "share miss ms"]
+HEADER += ["share hit ms", "miss goal", "hit goal", "keyed by", "miss: puts", "hit: hits"]
+LEGEND = (
+    f"Goals: miss \u2264 max(1.15{TIMES} put, put + 1.3{TIMES} xxh3), hit \u2264 0.5{TIMES} put "
+    f"(0.8{TIMES} for the object array of strings). *sent*: what Ray's serialization weighs. "
+    "*xxh3*: one pass over each array's or tensor's own elements (or `pickle.dumps` of what is "
+    "not an array), and the MiB hashed. *keyed by*: `walk` (without serializing) or `pickle` (by "
+    "Ray's pickle, which a miss then puts). *miss: puts*: `refshare.stats().puts` added by each "
+    "miss. *hit: hits*: 1 if every hit added one hit and returned the ref already cached."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    mode: str
+    unit: int  # bytes of most rows
+    reps: int
+    store_bytes: int
+    warm_bytes: int  # put and freed before measuring
+    list_items: tuple[int, int]  # the list row: this many arrays of this many bytes
+    strings: int  # the object-array row
+    text_bytes: int  # the str row
+
+
+MODES = {
+    "full": Config("full", 16 * MiB, 15, 2 << 30, 512 * MiB, (1000, 32 * KiB), 100_000, 16 * MiB),
+    "quick": Config("quick", 4 * MiB, 9, 1 << 30, 256 * MiB, (1000, 8 * KiB), 30_000, 4 * MiB),
+    "smoke": Config("smoke", 256 * KiB, 2, 256 * MiB, 64 * MiB, (100, 4 * KiB), 2000, 256 * KiB),
+}
+
+
+# -- the values -------------------------------------------------------------------------------
+
+
+class BatchedDataDictLike(collections.UserDict):  # type: ignore[type-arg]
+    """NeMo-RL's ``BatchedDataDict`` as it pickles: a ``UserDict`` with no pickling of its own."""
+
+
+@dataclasses.dataclass
+class Arrays:
+    a: np.ndarray
+    b: np.ndarray
+    c: np.ndarray
+    d: np.ndarray
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    value: Any
+    copy: Any  # equal content, a new object: what the hit shares
+    note: str = ""
+    hit_limit: float = 0.5
+
+
+def twice(value: Any) -> tuple[Any, Any]:
+    return value, copy.deepcopy(value)
+
+
+def tensors(cols: int) -> dict[str, Any]:
+    """An RL batch of 256 rows weighing [256, cols] float32: int64 ids and mask, float32."""
+    return {
+        "input_ids": torch.randint(0, 32000, (256, cols // 8)),
+        "attention_mask": torch.ones(256, cols // 8, dtype=torch.int64),
+        "old_log_probs": torch.randn(256, cols // 4),
+        "values": torch.randn(256, cols // 4),
+    }
+
+
+def batch_classes() -> tuple[Any, str, Any, str]:
+    """``BatchedDataDict`` and ``DataProto``, each the real one if importable, and which."""
+    try:
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+        bdd, bdd_is = BatchedDataDict, "real nemo_rl BatchedDataDict"
+    except ImportError:
+        bdd, bdd_is = BatchedDataDictLike, "BatchedDataDictLike, a UserDict subclass (no nemo_rl)"
+    try:
+        import verl
+        from verl.protocol import DataProto
+
+        dp, dp_is = DataProto, f"real verl {verl.__version__} DataProto"
+    except ImportError:
+        import _verl_mirror as mirror
+
+        dp, dp_is = mirror.DataProto, f"mirror of {mirror.MIRRORS} (batch: {mirror.BATCH_TYPE})"
+    return bdd, bdd_is, dp, dp_is
+
+
+def rows(cfg: Config) -> Iterator[Callable[[], Row]]:
+    """One builder per row, so that one row's values are alive at a time."""
+    rng, cols, (count, item) = np.random.default_rng(0), cfg.unit // 1024, cfg.list_items
+
+    def floats(*shape: int) -> np.ndarray:
+        return rng.random(shape, np.float32)
+
+    def strided() -> Row:
+        a = floats(256, 2 * cols)
+        return Row("numpy view `a[:, ::2]`", a[:, ::2], a.copy()[:, ::2], "Ray sends a C copy")
+
+    def strings() -> Row:
+        value = np.array([f"uid-{i:08d}-{i * 7919 % 100_003}" for i in range(cfg.strings)], object)
+        return Row("numpy object array of str", *twice(value), f"{cfg.strings:,} strings", 0.8)
+
+    def text() -> Row:
+        value = ("refshare" * (cfg.text_bytes // 8 + 1))[: cfg.text_bytes]
+        return Row(f"str of {cfg.text_bytes / MiB:g} MiB", value, value[:1] + value[1:])
+
+    yield lambda: Row("numpy float32, C order", *twice(floats(256, cols)))
+    yield lambda: Row("numpy float32, F order", *twice(np.asfortranarray(floats(256, cols))))
+    yield strided
+    yield lambda: Row(
+        "list of numpy arrays",
+        *twice([floats(item // 4) for _ in range(count)]),
+        f"{count:,} arrays of {item // KiB} KiB",
+    )
+    yield strings
+    yield text
+    yield lambda: Row(
+        "dataclass of 4 numpy arrays", *twice(Arrays(*[floats(256, cols // 4) for _ in range(4)]))
+    )
+    if torch is None:
+        yield lambda: Row("torch and batch types", None, None, "skipped: torch is not installed")
+        return
+    yield lambda: Row("torch float32", *twice(torch.randn(256, cols)))
+    yield lambda: Row("torch bfloat16", *twice(torch.randn(256, 2 * cols).bfloat16()))
+    note = f"Ray sends the whole storage, 4{TIMES} the view"
+    yield lambda: Row(
+        "torch view `t[:64]` of [256, N]", *twice(torch.randn(256, 2 * cols)[:64]), note
+    )
+
+    def inference() -> Row:
+        with torch.inference_mode():
+            t = torch.randn(256, cols)
+            return Row("torch, made in inference_mode", t, t.clone())
+
+    yield inference
+    yield lambda: Row(
+        "dict of 8 torch tensors", *twice({f"t{i}": torch.randn(256, cols // 8) for i in range(8)})
+    )
+    bdd, bdd_is, dataproto, dp_is = batch_classes()
+    yield lambda: Row("BatchedDataDict", *twice(bdd(tensors(cols))), bdd_is)
+    if importlib.util.find_spec("tensordict") is None:
+        yield lambda: Row("TensorDict", None, None, "skipped: tensordict is not installed")
+    else:
+        from tensordict import TensorDict
+
+        def tensordict(piece: bool) -> Row:
+            # The copy is built as the value was: see the note on .clone().
+            td, td2 = (TensorDict(batch, batch_size=[256]) for batch in twice(tensors(cols)))
+            if piece:
+                note = "a view: its tensors pickle their parents' whole storages"
+                return Row("TensorDict `.chunk(4)[0]`", td.chunk(4)[0], td2.chunk(4)[0], note)
+            same = refshare.fingerprint(td.clone()) == refshare.fingerprint(td)
+            clone = "alike" if same else "apart: its attributes pickle in another order"
+            note = f"the copy is made by the constructor; a `.clone()` is keyed {clone}"
+            return Row("TensorDict", td, td2, note)
+
+        yield lambda: tensordict(False)
+        yield lambda: tensordict(True)
+
+    def dataproto_row(piece: bool) -> Row:
+        uids = np.array([f"uid-{i}" for i in range(256)], object)
+        dp = dataproto.from_dict(tensors(cols), {"uid": uids}, {"step": 0, "temperature": 1.0})
+        if piece:
+            return Row("DataProto `.chunk(4)[0]`", dp.chunk(4)[0], twice(dp)[1].chunk(4)[0], dp_is)
+        return Row("DataProto", *twice(dp), dp_is)
+
+    yield lambda: dataproto_row(False)
+    yield lambda: dataproto_row(True)
+
+
+# -- what a row weighs, and how refshare keys it ----------------------------------------------
+
+
+def raw_buffers(v: Any, out: list[Any]) -> list[Any]:
+    """Each array's or tensor's own elements as a C buffer, or a pickle of anything else.
+
+    Made before timing: a non-contiguous array is copied here (Ray copies it too)."""
+    if isinstance(v, np.ndarray) and not v.dtype.hasobject:
+        out.append(np.ascontiguousarray(v.T if v.flags.f_contiguous else v).reshape(-1).view("u1"))
+    elif torch is not None and isinstance(v, torch.Tensor):
+        out.append(v.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    elif type(v).__module__.startswith("tensordict"):
+        for t in v.values(include_nested=True, leaves_only=True):
+            raw_buffers(t, out)
+    elif isinstance(v, (list, tuple, dict, collections.UserDict)):
+        for item in v.values() if hasattr(v, "values") else v:
+            raw_buffers(item, out)
+    elif dataclasses.is_dataclass(v):
+        for field in dataclasses.fields(v):
+            raw_buffers(getattr(v, field.name), out)
+    else:
+        out.append(pickle.dumps(v, protocol=5))
+    return out
+
+
+def sent_bytes(v: Any) -> int:
+    """What Ray's own serialization of ``v`` weighs: what ``ray.put`` stores."""
+    context = ray._private.worker.global_worker.get_serialization_context()
+    return int(context.serialize(v).total_bytes)
+
+
+# -- measuring --------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    gc.disable()
+    start = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - start
+    gc.enable()
+    return seconds, out
+
+
+def measure(row: Row, reps: int) -> dict[str, Any]:
+    """Interleaved repetitions of the five measurements, after one untimed repetition."""
+    v, v2, buffers = row.value, row.copy, raw_buffers(row.value, [])
+    times: dict[str, list[float]] = {m: [] for m in MEASURES}
+    counts: dict[str, list[dict[str, int]]] = {"miss": [], "hit": []}
+
+    def shared(what: str, value: Any) -> float:
+        refshare.clear()
+        first = refshare.share(v) if what == "hit" else None  # the cache holds v's ref
+        before = refshare.stats()
+        seconds, ref = timed(lambda: refshare.share(value))
+        after = refshare.stats()
+        count = {k: getattr(after, k) - getattr(before, k) for k in ("puts", "hits", "by_value")}
+        counts[what].append({**count, "same_ref": ref == first} if what == "hit" else count)
+        refshare.clear()
+        return seconds
+
+    run: dict[str, Callable[[], float]] = {
+        "put": lambda: timed(lambda: ray.put(v))[0],
+        "fingerprint": lambda: timed(lambda: refshare.fingerprint(v))[0],
+        "xxh3": lambda: timed(lambda: [xxhash.xxh3_128_digest(b) for b in buffers])[0],
+        "miss": lambda: shared("miss", v),
+        "hit": lambda: shared("hit", v2),
+    }
+    for rep in range(-1, reps):
+        for name in bench.rotated(MEASURES, max(rep, 0)):
+            seconds = run[name]()
+            if rep >= 0:
+                times[name].append(seconds)
+    counts = {what: found[1:] for what, found in counts.items()}  # the untimed repetition
+    med = {m: bench.median(times[m]) for m in MEASURES}
+    ratios = {what: med[what] / med["put"] for what in ("miss", "hit")}
+    limits = {"miss": max(1.15, 1 + 1.3 * med["xxh3"] / med["put"]), "hit": row.hit_limit}
+    goals = {
+        w: {"ratio": ratios[w], "limit": limits[w], "met": ratios[w] <= limits[w]} for w in limits
+    }
+    found = refshare._fingerprint.identify(v)  # keyed by walking v, or by Ray's pickle of it
+    keyed = "by value" if found is None else ("pickle" if found[1] is not None else "walk")
+    result = {"name": row.name, "note": row.note, "keyed_by": keyed, "goals": goals}
+    result |= {
+        "sent_bytes": sent_bytes(v),
+        "hashed_bytes": sum(memoryview(b).nbytes for b in buffers),
+    }
+    return result | {"medians": med, "times": times, "stats": counts}
+
+
+def profile(row: Row, reps: int) -> None:
+    """Print cProfile's top functions over ``reps`` misses, then ``reps`` hits, of ``row``."""
+    for what, value in (("miss", row.value), ("hit", row.copy)):
+        profiler = cProfile.Profile()
+        for _ in range(reps):
+            refshare.clear()
+            if what == "hit":
+                refshare.share(row.value)  # the cache holds its ref
+            profiler.runcall(refshare.share, value)
+        print(f"\n== {row.name}: {reps} x share, a {what} each; by own time ==")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+    refshare.clear()
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def table_row(r: dict[str, Any]) -> list[str]:
+    m, miss, hit = r["medians"], r["stats"]["miss"], r["stats"]["hit"]
+    puts = "/".join(sorted({str(c["puts"]) for c in miss}))
+    puts += ", by value" if any(c["by_value"] for c in miss) else ""
+    hits = "1" if all(c["hits"] == 1 and c["same_ref"] for c in hit) else "NO"
+    goals = [
+        (g["met"], f"{g['ratio']:.2f}{TIMES} put, limit {g['limit']:.2f}{TIMES}")
+        for g in r["goals"].values()
+    ]
+    goals = [f"{'yes' if met else 'NO'} ({text})" for met, text in goals]
+    cells = [r["name"], f"{r['sent_bytes'] / MiB:.1f}", *(bench.ms(m[k]) for k in MEASURES)]
+    cells[4] += f" ({r['hashed_bytes'] / MiB:.1f})"  # the MiB xxh3 hashed
+    return [*cells, *goals, r["keyed_by"], puts, hits]
+
+
+def markdown(results: dict[str, Any]) -> str:
+    cfg, done = results["config"], [r for r in results["rows"] if "skipped" not in r]
+    notes = [f"- {r['name']}: {r.get('skipped') or r['note']}" for r in results["rows"]]
+    intro = (
+        f"What refshare costs per kind of value: medians of {cfg['reps']} interleaved repetitions "
+        f"on a warm object store, in milliseconds ({cfg['mode']} mode)."
+    )
+    lines = ["# refshare type table", "", intro, "", *bench.machine_lines(results["meta"]), ""]
+    lines += [*bench.table(HEADER, [table_row(r) for r in done]), "", LEGEND, ""]
+    return "\n".join([*lines, *(n for n in notes if not n.endswith(": ")), ""])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="smaller values")
+    mode.add_argument("--smoke", action="store_true", help="tiny values, 2 repetitions")
+    parser.add_argument("--reps", type=int, help="repetitions (default: 15, --quick 9)")
+    parser.add_argument("--out", type=Path, default=bench.REPO / "benchmarks" / "results")
+    parser.add_argument("--profile", metavar="ROW", help="cProfile rows whose name has ROW")
+    args = parser.parse_args()
+    cfg = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    cfg = dataclasses.replace(cfg, reps=args.reps or cfg.reps)
+    start = time.perf_counter()
+    bench.start_ray(cfg.store_bytes)
+    bench.warm_store([], cfg.warm_bytes)
+    results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "rows": []}
+    for build in rows(cfg):
+        row = build()
+        if args.profile:
+            if args.profile.lower() in row.name.lower() and row.value is not None:
+                profile(row, cfg.reps)
+            continue
+        bench.log(f"{row.name}: {cfg.reps} repetitions")
+        skipped = {"name": row.name, "skipped": row.note} if row.value is None else None
+        results["rows"].append(skipped or measure(row, cfg.reps))
+        del row
+        gc.collect()
+    if args.profile:
+        return
+    results["meta"] = bench.machine("types.py", seconds=round(time.perf_counter() - start))
+    text = markdown(results)
+    bench.write_results(args.out, "types", results, text)
+    print(text)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
