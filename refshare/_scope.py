@@ -241,9 +241,31 @@ class Scope:
         return ref
 
 
+_warned_client = False
+
+
+def _over_ray_client() -> bool:
+    """Whether this thread talks to Ray through Ray Client (``ray://``), where submissions
+    and puts go through the client's own stubs, which refshare does not patch."""
+    global _warned_client
+    try:
+        from ray._private.client_mode_hook import client_mode_should_convert
+
+        client = bool(client_mode_should_convert())
+    except Exception:
+        return False
+    if client and not _warned_client:
+        _warned_client = True
+        logger.warning(
+            "refshare does not share over Ray Client (ray://): every call goes by value, "
+            "as without refshare. Run the driver on the cluster to share arguments."
+        )
+    return client
+
+
 def _enter(options: Options) -> Token[SubmitScope | None]:
     """Make a new scope current (or none, when disabled); the token undoes it."""
-    if not options.enabled or _disabled_by_env():
+    if not options.enabled or _disabled_by_env() or _over_ray_client():
         return active_scope.set(None)
     ensure_installed()
     return active_scope.set(Scope(options))
