@@ -251,7 +251,7 @@ def _over_ray_client() -> bool:
     try:
         from ray._private.client_mode_hook import client_mode_should_convert
 
-        client = bool(client_mode_should_convert())
+        client = bool(client_mode_should_convert())  # type: ignore[no-untyped-call]
     except Exception:
         return False
     if client and not _warned_client:
