@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Any
 
+from ._deep import deep_reducers
 from ._dispatch import TypeTable
 from ._fingerprint import FingerprintFn, TensorElements, builtin_fingerprints
 from ._sizing import SizeFn, _sizes, estimate_size
@@ -55,6 +56,27 @@ def dataproto_size(data: Any) -> int:
     return total + estimate_size(data.non_tensor_batch) + estimate_size(data.meta_info)
 
 
+def dataproto_members(data: Any) -> Any:
+    """A ``DataProto`` reduced so that deep sharing sees its tensors: each is sent with its
+    own elements, as the ``DataProto``'s pickling would send it."""
+    batch = data.batch
+    if batch is None or any(isinstance(key, tuple) for key, _ in _tensor_items(batch)):
+        return NotImplemented  # nested keys: sent whole
+    names = getattr(batch, "names", None) if batch.batch_dims else None
+    tensors = {key: TensorElements(tensor) for key, tensor in _tensor_items(batch)}
+    parts = (tensors, tuple(batch.batch_size), batch.device, names)
+    return rebuild_dataproto, (type(data), parts, data.non_tensor_batch, data.meta_info)
+
+
+def rebuild_dataproto(cls: type, parts: Any, non_tensor_batch: Any, meta_info: Any) -> Any:
+    """On the worker: the ``DataProto`` a by-value call would have given it."""
+    from tensordict import TensorDict
+
+    tensors, batch_size, device, names = parts
+    batch = TensorDict(tensors, batch_size=batch_size, device=device, names=names)
+    return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta_info)
+
+
 # -- NeMo-RL ------------------------------------------------------------------------------
 
 
@@ -73,6 +95,10 @@ BATCH_TYPES: tuple[tuple[str, str, FingerprintFn, SizeFn | None], ...] = (
 )
 
 
+#: How deep sharing sees the members of a batch type whose pickling hides them.
+DEEP_REDUCERS = {("verl.protocol", "DataProto"): dataproto_members}
+
+
 def _filler(root: str) -> Any:
     wanted = [entry for entry in BATCH_TYPES if entry[0].partition(".")[0] == root]
 
@@ -85,6 +111,9 @@ def _filler(root: str) -> Any:
                 done = False  # imported later, or moved: looked for again next time
                 continue
             table.register(cls, fingerprint, replace=False)
+            members = DEEP_REDUCERS.get((module_name, class_name))
+            if members is not None:
+                deep_reducers.register(cls, members, replace=False)
             if size is not None:
                 _sizes.register(cls, size, replace=False)
         return done
@@ -96,17 +125,19 @@ def register_batch_types() -> None:
     """Add the lazy entries of every known batch type (refshare does this on import)."""
     for root in {entry[0].partition(".")[0] for entry in BATCH_TYPES}:
         builtin_fingerprints.add_lazy(root, _filler(root))
+        deep_reducers.add_lazy(root, _also_fills(root))
         # Sizes are looked up first: have them look for the same modules.
-        _sizes.add_lazy(root, _size_filler(root))
+        _sizes.add_lazy(root, _also_fills(root))
 
 
-def _size_filler(root: str) -> Any:
+def _also_fills(root: str) -> Any:
+    """For the other tables: fill every table of ``root`` the way ``_filler`` does."""
     fill = _filler(root)
 
-    def fill_sizes(table: TypeTable[SizeFn]) -> bool:
+    def fill_all(table: object) -> bool:
         return bool(fill(builtin_fingerprints))
 
-    return fill_sizes
+    return fill_all
 
 
 register_batch_types()

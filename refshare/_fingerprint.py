@@ -161,6 +161,22 @@ class TensorElements:
     def __init__(self, tensor: Any) -> None:
         self.tensor = tensor
 
+    def compact(self) -> Any:
+        """The tensor with its own elements only: itself, or a contiguous copy of a view."""
+        t = self.tensor
+        whole = t.is_contiguous() and t.storage_offset() == 0
+        if whole and t.untyped_storage().nbytes() == t.nelement() * t.element_size():
+            return t
+        return t.detach().contiguous().clone().requires_grad_(t.requires_grad)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.compact().__reduce_ex__(protocol)  # sent as that tensor
+
+
+register_size(
+    TensorElements, lambda wrapper: wrapper.tensor.nelement() * wrapper.tensor.element_size()
+)
+
 
 def _digest_elements(t: Any) -> Key:
     head = _tagged("elements", str(t.dtype), tuple(t.shape), t.requires_grad)

@@ -15,7 +15,8 @@ from ray import ObjectRef
 
 from . import _stats
 from ._cache import RefCache
-from ._fingerprint import Key, Memo, identify
+from ._deep import Skeleton, ship_bootstrap_by_value, split
+from ._fingerprint import Key, Memo, _leaf_digests, identify
 from ._patch import (
     SubmitScope,
     active_scope,
@@ -60,7 +61,15 @@ def _disabled_by_env() -> bool:
 class Options:
     """Validated options of one decorator or ``sharing`` block."""
 
-    __slots__ = ("_cache_option", "cache", "enabled", "min_bytes", "puts", "reuse_fingerprints")
+    __slots__ = (
+        "_cache_option",
+        "cache",
+        "deep",
+        "enabled",
+        "min_bytes",
+        "puts",
+        "reuse_fingerprints",
+    )
 
     def __init__(
         self,
@@ -69,6 +78,7 @@ class Options:
         enabled: bool = True,
         reuse_fingerprints: bool = False,
         puts: bool = True,
+        deep: bool = False,
     ) -> None:
         if min_bytes is None:
             min_bytes = DEFAULT_MIN_BYTES
@@ -88,6 +98,11 @@ class Options:
             raise TypeError(f"reuse_fingerprints={reuse_fingerprints!r}: pass True or False")
         if not isinstance(puts, bool):
             raise TypeError(f"puts={puts!r}: pass True or False")
+        if not isinstance(deep, bool):
+            raise TypeError(f"deep={deep!r}: pass True or False")
+        if deep:
+            ship_bootstrap_by_value()
+        self.deep = deep
         self.puts = puts
         self._cache_option = cache
         self.reuse_fingerprints = reuse_fingerprints
@@ -106,6 +121,7 @@ class Options:
             "enabled": self.enabled,
             "reuse_fingerprints": self.reuse_fingerprints,
             "puts": self.puts,
+            "deep": self.deep,
         }
 
 
@@ -119,13 +135,26 @@ class Scope:
     even when no cache is used or the value exceeds the cache budget.
     """
 
-    __slots__ = ("cache", "local", "memo", "min_bytes", "pickled", "puts", "reuse", "session")
+    __slots__ = (
+        "cache",
+        "deep",
+        "local",
+        "memo",
+        "min_bytes",
+        "pickled",
+        "puts",
+        "reuse",
+        "session",
+        "splits",
+    )
 
     def __init__(self, options: Options) -> None:
         self.min_bytes = options.min_bytes
         self.cache = options.cache
         self.reuse = options.reuse_fingerprints
         self.puts = options.puts
+        self.deep = options.deep
+        self.splits: dict[int, tuple[object, Any, Skeleton]] = {}
         self.memo: Memo = {}
         self.pickled: dict[int, tuple[object, Any, Key, int]] = {}
         self.local: dict[Key, Any] = {}
@@ -160,8 +189,39 @@ class Scope:
             return value
         if not self.ready():
             return value  # Ray is not running yet: it starts on this very call
+        if self.deep:
+            skeleton = self.split(value)
+            if skeleton is not None:
+                if skeleton.nbytes < self.min_bytes:
+                    return skeleton  # small: inside the task message, as Ray inlines it
+                return self.store_as(skeleton.key, skeleton, skeleton.nbytes, skeleton)
         # Sized again in full (the first estimate stops at min_bytes) for stats and budget.
         return self.store(value, estimate_size(value), fallback=value)
+
+    def split(self, value: Any) -> Skeleton | None:
+        """``value``'s skeleton, its large members stored by content; ``None`` for a leaf or
+        a value without large members. Within this scope a value is split once while its
+        structure stamp holds."""
+        if _leaf_digests.exact(type(value)) is not None:
+            return None
+        entry = self.splits.get(id(value))
+        if entry is not None and entry[0] is value:
+            stamp = structure_stamp(value)
+            if stamp is not None and stamp[0] == entry[1][0]:
+                return entry[2]
+        try:
+            skeleton = split(value, self.store_member, self.min_bytes)
+        except Exception:
+            logger.debug("cannot split %s; shared whole", type(value).__qualname__, exc_info=True)
+            return None
+        if skeleton is not None:
+            stamp = structure_stamp(value)
+            if stamp is not None:
+                self.splits[id(value)] = (value, stamp, skeleton)
+        return skeleton
+
+    def store_member(self, member: Any, nbytes: int) -> Any:
+        return self.store(member, nbytes, fallback=None)
 
     def put(self, value: Any, **options: Any) -> Any:
         """The ref for ``ray.put(value, **options)`` made inside this scope: found by
@@ -174,6 +234,9 @@ class Scope:
         if estimate_size(value, self.min_bytes) < self.min_bytes or not self.ready():
             return None
         _stats.record_put_call()
+        skeleton = self.split(value) if self.deep else None
+        if skeleton is not None:
+            return self.store_as(skeleton.key, skeleton, skeleton.nbytes, None)
         return self.store(value, estimate_size(value), fallback=None)
 
     def ready(self) -> bool:
@@ -215,7 +278,10 @@ class Scope:
         if found is None:
             _stats.record_by_value()
             return fallback
-        key, stored, nbytes = found
+        return self.store_as(*found, fallback)
+
+    def store_as(self, key: Key, stored: Any, nbytes: int, fallback: Any) -> Any:
+        """The ref stored under ``key`` in the scope or cache, or ``stored`` put now."""
         ref = self.local.get(key)
         if ref is None and self.cache is not None:
             ref = self.cache.get(key)
@@ -287,8 +353,9 @@ class sharing:
         enabled: bool = True,
         reuse_fingerprints: bool = False,
         puts: bool = True,
+        deep: bool = False,
     ) -> None:
-        self._options = Options(min_bytes, cache, enabled, reuse_fingerprints, puts)
+        self._options = Options(min_bytes, cache, enabled, reuse_fingerprints, puts, deep)
         self._tokens: list[Token[SubmitScope | None]] = []
 
     def __enter__(self) -> sharing:
@@ -374,6 +441,7 @@ def shared_args(
     enabled: bool = True,
     reuse_fingerprints: bool = False,
     puts: bool = True,
+    deep: bool = False,
 ) -> Callable[[_F], _F]: ...
 
 
@@ -386,6 +454,7 @@ def shared_args(
     enabled: bool = True,
     reuse_fingerprints: bool = False,
     puts: bool = True,
+    deep: bool = False,
 ) -> _F | Callable[[_F], _F]:
     """Share the large arguments of every Ray call the decorated function submits.
 
@@ -413,11 +482,16 @@ def shared_args(
             ref instead of storing it again. Ray objects are immutable, so a shared ref
             is safe; only ``ray.put(...) is``/``==`` comparisons of refs can tell.
             Puts with ``_owner`` or other options, and small values, go to Ray untouched.
+        deep: also share the large members of an argument (dict values, list items,
+            attributes, ``TensorDict`` entries, ``DataProto`` tensors) one by one, and send
+            the argument as a small skeleton naming them, so a batch that grows between
+            calls sends only what is new. The worker rebuilds it while Ray unpickles the
+            argument, which needs refshare importable where the workers run.
 
     Use bare (``@shared_args``) or with options (``@shared_args(min_bytes=1 << 20)``).
     Options are checked here, when decorating.
     """
-    decorate = _make_decorator(Options(min_bytes, cache, enabled, reuse_fingerprints, puts))
+    decorate = _make_decorator(Options(min_bytes, cache, enabled, reuse_fingerprints, puts, deep))
     return decorate if func is None else decorate(func)
 
 

@@ -115,3 +115,20 @@ def _load_self_pickling(blob: bytes) -> SelfPickling:
 
     with np.load(io.BytesIO(blob)) as arrays:
         return SelfPickling({key: arrays[key] for key in arrays.files})
+
+
+@ray.remote(num_cpus=0.1)
+class WithoutRefshare:
+    """A worker process where refshare cannot be imported, as on a cluster whose workers'
+    environment lacks it."""
+
+    def __init__(self) -> None:
+        import sys
+
+        for name in [m for m in sys.modules if m == "refshare" or m.startswith("refshare.")]:
+            sys.modules[name] = None  # type: ignore[assignment]
+        sys.modules["refshare"] = None  # type: ignore[assignment]
+        sys.modules["refshare._deep"] = None  # type: ignore[assignment]
+
+    def receive(self, *args: Any, **kwargs: Any) -> Any:
+        return describe((args, kwargs))

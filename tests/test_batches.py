@@ -217,3 +217,27 @@ def test_a_dataproto_broadcast_is_keyed_once_per_call(
     assert getstate_calls[0] == 1 + N  # refshare's one put, then Ray by value N times
     stats = refshare.stats()
     assert (stats.puts, stats.hits) == (1, N - 1), stats
+
+
+# -- deep sharing of DataProto ------------------------------------------------------------
+
+
+def test_a_grown_dataproto_deep_shares_only_its_new_key(readers: list[Any]) -> None:
+    protocol = pytest.importorskip("verl.protocol")
+    deep_send_each = refshare.shared_args(deep=True)(send_each)
+    data = dataproto_batch(rows=256)  # every chunk's tensors above min_bytes
+    assert deep_send_each(readers, data.chunk(N)) == send_each(readers, data.chunk(N))
+    first = refshare.stats()
+    # Three tensors per chunk, each chunk's own rows; the all-ones attention mask has one
+    # content in every chunk, so it is stored once.
+    assert (first.puts, first.hits) == (2 * N + 1, N - 1), first
+    batch = data.batch
+    distinct = batch["input_ids"].nbytes + batch["responses"].nbytes
+    assert first.bytes_put == distinct + batch["attention_mask"].nbytes // N
+    extra = protocol.DataProto.from_dict({"old_log_probs": torch.randn(256, 512)})
+    grown = data.union(extra)
+    refshare.reset_stats()
+    assert deep_send_each(readers, grown.chunk(N)) == send_each(readers, grown.chunk(N))
+    stats = refshare.stats()
+    assert stats.puts == N and stats.bytes_put == extra.batch["old_log_probs"].nbytes
+    assert stats.hits == 3 * N  # every unchanged member, found again by content

@@ -53,3 +53,21 @@ def test_fan_out_across_two_nodes(two_nodes: Cluster) -> None:
     assert refshare.stats().puts == 2 and refshare.stats().hits == 2 * len(group) * 2 - 2
     for w in group:
         ray.kill(w)
+
+
+@pytest.mark.usefixtures("fresh")
+def test_deep_sharing_across_two_nodes(two_nodes: Cluster) -> None:
+    group = [Worker.options(resources={node: 0.1}).remote() for node in ("head", "second")]
+    batch = {"input_ids": np.arange(1 << 17), "mask": np.ones(1 << 17), "step": 3}
+
+    @refshare.shared_args(deep=True)
+    def broadcast(value: Any) -> list[Any]:
+        return ray.get([w.receive.remote(value) for w in group])
+
+    by_value = ray.get([w.receive.remote(batch) for w in group])
+    assert broadcast(batch) == by_value
+    grown = dict(batch, old_log_probs=np.zeros(1 << 17))
+    assert broadcast(grown) == ray.get([w.receive.remote(grown) for w in group])
+    assert refshare.stats().puts == 3  # two members, then only the new one
+    for w in group:
+        ray.kill(w)

@@ -1,0 +1,252 @@
+"""Deep sharing: each large member of a batch stored once, the batch sent as a skeleton.
+
+Checked from the outside: what each worker received equals what Ray by value gives it,
+and refshare's counters show that a grown batch stores only its new members.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import sys
+from collections import UserDict
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+import refshare
+
+pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
+
+N = 3
+MEMBER = 1 << 17  # float64 elements: 1 MiB
+
+
+def describe(value: Any) -> Any:
+    """Type, and for arrays and tensors: dtype, shape, strides, read-only flag, checksum."""
+    torch = sys.modules.get("torch")
+    name = type(value).__qualname__
+    if torch is not None and isinstance(value, torch.Tensor):
+        return (name, str(value.dtype), tuple(value.shape), value.stride(),
+                float(value.double().sum()))  # fmt: skip
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            return (name, value.tolist())
+        return (name, value.dtype.str, value.shape, value.strides, value.flags.writeable,
+                float(value.astype(np.float64).sum()))  # fmt: skip
+    if isinstance(value, ray.ObjectRef):
+        return (name, ray.get(value).tolist())
+    if isinstance(value, ray.actor.ActorHandle):
+        return (name, ray.get(value.read.remote()))
+    if isinstance(value, (dict, UserDict)):
+        return (name, [(k, describe(v)) for k, v in value.items()], describe_attrs(value))
+    if isinstance(value, (list, tuple)):
+        return (name, [describe(v) for v in value])
+    if hasattr(value, "__dict__"):
+        return (name, describe(vars(value)))
+    return (name, value)
+
+
+def describe_attrs(value: Any) -> Any:
+    attrs = {k: v for k, v in getattr(value, "__dict__", {}).items() if k != "data"}
+    return describe(attrs) if attrs else None
+
+
+@ray.remote(num_cpus=0.1)
+class Reader:
+    def read(self, value: Any) -> Any:
+        same = None
+        if isinstance(value, dict) and "a" in value and "alias" in value:
+            same = value["a"] is value["alias"]
+        return describe(value), same
+
+
+@ray.remote(num_cpus=0.1)
+class Holder:
+    def read(self) -> str:
+        return "holder"
+
+
+@pytest.fixture(scope="module")
+def readers(local_ray: None) -> list[Any]:
+    group = [Reader.remote() for _ in range(N)]
+    ray.get([r.read.remote(0) for r in group])
+    return group
+
+
+def fan_out(readers: list[Any], value: Any) -> list[Any]:
+    return ray.get([r.read.remote(value) for r in readers])
+
+
+deep_fan_out = refshare.shared_args(deep=True)(fan_out)
+
+
+def member(fill: float) -> np.ndarray:
+    return np.full(MEMBER, fill)
+
+
+@dataclasses.dataclass
+class Rollout:
+    tokens: np.ndarray
+    rewards: np.ndarray
+    note: str = "rollout"
+
+
+class BatchedDataDict(UserDict):  # type: ignore[type-arg]
+    """NeMo-RL's batch type is a UserDict subclass with attributes of its own."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.micro_batch_indices = [[0, 4]]
+
+
+class Plain:
+    def __init__(self) -> None:
+        self.weights = member(6.0)
+        self.step = 3
+
+
+def batches() -> list[Any]:
+    return [
+        {"a": member(1.0), "b": member(2.0).reshape(256, 512).T, "small": np.arange(10)},
+        [member(1.0), (member(3.0), "text")],
+        Rollout(member(4.0), np.ones(MEMBER, dtype=np.float32)),
+        BatchedDataDict({"input_ids": member(5.0), "mask": np.ones(100, dtype=bool)}),
+        Plain(),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5), ids=["dict", "list", "dataclass", "userdict", "obj"])
+def test_workers_receive_what_they_receive_by_value(readers: list[Any], index: int) -> None:
+    value = batches()[index]
+    assert deep_fan_out(readers, value) == fan_out(readers, value)
+    stats = refshare.stats()
+    assert stats.puts >= 1 and stats.by_value == 0, stats
+
+
+def test_aliasing_read_only_flags_and_views(readers: list[Any]) -> None:
+    a = member(7.0)
+    value = {"a": a, "alias": a, "view": member(8.0)[::2], "small": np.zeros(4)}
+    shared = deep_fan_out(readers, value)
+    assert shared == fan_out(readers, value)
+    assert all(same for _, same in shared)  # one object under two keys, as by value
+    assert refshare.stats().puts == 2  # a once, the view once
+
+
+def test_torch_members_bf16_views_and_inference_mode(readers: list[Any]) -> None:
+    torch = pytest.importorskip("torch")
+    parent = torch.randn(512, 1024)
+    with torch.inference_mode():
+        log_probs = torch.randn(256, 1024)
+    value = {
+        "bf16": torch.randn(256, 1024).to(torch.bfloat16),
+        "view": parent[:128],  # pickled with its parent's whole storage, as by value
+        "log_probs": log_probs,
+        "small": torch.ones(3),
+    }
+    assert deep_fan_out(readers, value) == fan_out(readers, value)
+    assert refshare.stats().puts == 3
+
+
+def test_nested_refs_and_actor_handles_keep_working(readers: list[Any]) -> None:
+    holder = Holder.remote()
+    inner = ray.put(np.arange(5))
+    value = {"weights": member(9.0), "ref": inner, "actor": holder}
+    assert deep_fan_out(readers, value) == fan_out(readers, value)
+    del value
+    assert ray.get(inner).tolist() == [0, 1, 2, 3, 4]  # the driver's ref is still good
+    assert ray.get(holder.read.remote()) == "holder"
+
+
+def test_a_grown_batch_stores_only_its_new_members(readers: list[Any]) -> None:
+    batch = {"input_ids": member(1.0), "attention_mask": member(2.0)}
+    deep_fan_out(readers, batch)
+    assert refshare.stats().puts == 2
+    grown = dict(batch, old_log_probs=member(3.0))  # batch.union(...) in verl terms
+    refshare.reset_stats()
+    assert deep_fan_out(readers, grown) == fan_out(readers, grown)
+    stats = refshare.stats()
+    assert (stats.puts, stats.bytes_put) == (1, MEMBER * 8), stats
+    assert stats.hits == 2  # the unchanged members, found again by content
+    again = copy.deepcopy(grown)  # equal content, new objects (a slice made again)
+    refshare.reset_stats()
+    deep_fan_out(readers, again)
+    assert refshare.stats().puts == 0
+
+
+def test_a_member_changed_within_one_call_is_sent_anew(readers: list[Any]) -> None:
+    batch = {"x": member(1.0), "y": member(2.0)}
+
+    @refshare.shared_args(deep=True)
+    def change_midway() -> list[Any]:
+        first = ray.get(readers[0].read.remote(batch))
+        batch["x"][:] = 5.0
+        return [first, ray.get(readers[1].read.remote(batch))]
+
+    first, second = change_midway()
+    assert first[0][1][0][1][-1] == float(MEMBER)
+    assert second[0][1][0][1][-1] == 5.0 * MEMBER
+
+
+def test_puts_in_a_deep_scope_store_members(readers: list[Any]) -> None:
+    batch = {"a": member(1.0), "b": member(2.0)}
+    with refshare.sharing(deep=True):
+        first = ray.put(batch)
+        grown = ray.put(dict(batch, c=member(3.0)))
+    by_value = ray.put(dict(batch, c=member(3.0)))  # outside the scope: Ray's own put
+    assert describe(ray.get(grown)) == describe(ray.get(by_value))
+    assert describe(ray.get(first)) == describe(ray.get(ray.put(batch)))
+    assert refshare.stats().puts == 3 + 2  # three members, two skeletons
+
+
+def test_members_evicted_from_a_small_cache_are_stored_again(readers: list[Any]) -> None:
+    cache = refshare.RefCache(max_bytes=MEMBER * 8 + 1)  # room for one member
+    deep = refshare.shared_args(deep=True, cache=cache)(fan_out)
+    batch = {"a": member(1.0), "b": member(2.0)}
+    for _ in range(2):
+        assert deep(readers, batch) == fan_out(readers, batch)
+    stats = refshare.stats()
+    assert stats.evictions >= 1 and len(cache) == 1
+    assert stats.puts >= 3  # what was evicted is stored again: never a dangling ref
+
+
+@ray.remote(num_cpus=0.1)
+class AsyncReader:
+    async def read(self, value: Any) -> Any:
+        from ray._private import worker
+
+        await asyncio.sleep(0)
+        return sorted(value), worker.blocking_get_inside_async_warned
+
+
+def test_async_actors_get_it_without_a_blocking_get_warning() -> None:
+    actor = AsyncReader.remote()
+    batch = {"a": member(1.0), "b": member(2.0)}
+
+    @refshare.shared_args(deep=True)
+    def send() -> list[Any]:
+        return ray.get([actor.read.remote(batch) for _ in range(4)])
+
+    assert send() == [(["a", "b"], False)] * 4
+    ray.kill(actor)
+
+
+def test_a_worker_without_refshare_says_so_in_one_line() -> None:
+    from helpers import WithoutRefshare
+
+    worker = WithoutRefshare.remote()
+
+    @refshare.shared_args(deep=True)
+    def send() -> Any:
+        return ray.get(worker.receive.remote({"a": member(1.0)}))
+
+    with pytest.raises(ray.exceptions.RayTaskError) as raised:
+        send()
+    message = str(raised.value)
+    assert "cannot import" in message and "deep=False" in message
+    line = next(li for li in message.splitlines() if "deep-shared by refshare" in li)
+    assert "pip" in line and "deep=False" in line  # what is missing and both fixes, one line
+    ray.kill(worker)
