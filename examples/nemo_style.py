@@ -1,17 +1,22 @@
-"""A NeMo-RL-style worker group over a named (dp x tp) mesh, with refshare.
+"""NeMo-RL's RayWorkerGroup, mirrored: log-probs, reference log-probs and train, with refshare.
 
-``run_all_workers_single_data`` sends the same kwargs to every worker, and
-``run_all_workers_sharded_data`` sends each worker the shard at its coordinates on the sharded
-axes: every tp rank of one dp rank gets the same shard. With ``@refshare.shared_args`` on both,
-each distinct large value goes into Ray's object store once and every other worker gets a ref.
+Mirrored from NeMo-RL main (commit 7ea279a, 2026-08): nemo_rl/distributed/worker_groups.py,
+batched_data_dict.py and the calls of models/policy/lm_policy.py and algorithms/grpo.py.
+Data goes as kwargs; ``run_all_workers_sharded_data`` ``ray.put``s every DP shard when a
+replicated axis (TP, CP, PP) has more than one rank, and ``run_all_workers_single_data`` puts
+every kwarg. A GRPO step shards one ``logprob_data`` for the policy's and the reference's
+log-probs (fresh copies each time), then trains on ``train_data``, which adds those log-probs.
+refshare wraps the four ``run_*`` methods that ``refshare.enable("nemo_rl")`` wraps.
 
 Run: python examples/nemo_style.py
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 import zlib
+from collections import Counter, UserDict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,152 +24,251 @@ import ray
 
 import refshare
 
+PUTS: Counter[str] = Counter()  # the example's counter, for the "without refshare" column
+REPLICATED = ["context_parallel", "tensor_parallel", "pipeline_parallel"]
 
-class BatchedDataDict(dict[str, Any]):
-    """Arrays (or tensors) sharing a batch dimension, like NeMo-RL's BatchedDataDict."""
+
+def ray_put(value: Any) -> Any:  # the mirror calls this where NeMo-RL calls ray.put
+    PUTS["ray.put"] += 1
+    return ray.put(value)
+
+
+# -- NeMo-RL main, mirrored ----------------------------------------------------------------
+
+
+class NamedSharding:
+    def __init__(self, layout, names):
+        self._layout, self.names = np.array(layout), list(names)
+
+    def get_worker_coords(self, worker_id):
+        indices = np.where(self._layout == worker_id)
+        return {name: int(indices[i][0]) for i, name in enumerate(self.names)}
+
+    def get_axis_size(self, name):
+        return self._layout.shape[self.names.index(name)]
+
+
+class BatchedDataDict(UserDict):  # no pickling of its own: it sends its __dict__
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.micro_batch_indices = None
+        self.micro_batch_lengths = None
+        self.elem_counts_per_gb = None
+
+    @classmethod
+    def from_batches(cls, batches):
+        return cls({k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
+
+    def shard_by_batch_size(self, shards, batch_size=None):  # the path without dynamic batching
+        total_batch_size = len(next(iter(self.data.values())))
+        batch_size = batch_size or total_batch_size
+        num_chunks, shard_size = total_batch_size // batch_size, batch_size // shards
+        aggregated_shards = [SlicedDataDict() for _ in range(shards)]
+        for shard_idx in range(shards):
+            shard_ranges = []
+            for chunk_idx in range(num_chunks):
+                shard_start = chunk_idx * batch_size + shard_idx * shard_size
+                shard_ranges.append((shard_start, shard_start + shard_size))
+            for k, v in self.data.items():  # copies of the rows, as in NeMo-RL
+                aggregated_shards[shard_idx][k] = np.concatenate([v[s:e] for s, e in shard_ranges])
+        return aggregated_shards
+
+
+class SlicedDataDict(BatchedDataDict):
+    pass
+
+
+@dataclass
+class MultiWorkerFuture:
+    futures: list[ray.ObjectRef]
+    return_from_workers: list[int] | None = None
+    called_workers: list[int] | None = None
+
+
+class RayWorkerGroup:
+    def __init__(self, workers, sharding_annotations):
+        self._workers, self.sharding_annotations = workers, sharding_annotations
 
     @property
-    def size(self) -> int:
-        return len(next(iter(self.values())))
+    def workers(self):
+        return self._workers
 
-    def shard_by_batch_size(self, shards: int) -> list[BatchedDataDict]:
-        rows = self.size // shards
+    def run_single_worker_single_data(self, method_name, worker_idx, *args, **kwargs):
+        assert len(args) == 0
+        return getattr(self.workers[worker_idx], method_name).remote(*args, **kwargs)
+
+    def run_all_workers_multiple_data(self, method_name, *args, common_kwargs=None, **kwargs):
+        assert len(args) == 0  # (and run_rank_0_only_axes): no put; each worker its own item
+        common_kwargs = common_kwargs or {}
         return [
-            BatchedDataDict({k: _rows(v, i * rows, (i + 1) * rows) for k, v in self.items()})
-            for i in range(shards)
+            getattr(worker, method_name).remote(
+                **{k: v[i] for k, v in kwargs.items()}, **common_kwargs
+            )
+            for i, worker in enumerate(self.workers)
         ]
 
+    def run_all_workers_single_data(self, method_name, *args, **kwargs):
+        assert len(args) == 0  # (and run_rank_0_only_axes)
+        kwargs = {key: ray_put(value) for key, value in kwargs.items()}
+        return [getattr(worker, method_name).remote(*args, **kwargs) for worker in self.workers]
 
-def _rows(value: Any, start: int, stop: int) -> Any:
-    """Rows start:stop. A torch slice would pickle its parent's whole storage: copy it."""
-    part = value[start:stop]
-    return part.clone() if hasattr(part, "clone") else part
+    def run_all_workers_sharded_data(
+        self, method_name, *args, in_sharded_axes=None, replicate_on_axes=None,
+        output_is_replicated=None, common_kwargs=None, **kwargs,
+    ):  # fmt: skip
+        assert len(args) == 0  # (make_dummy_calls_to_free_axes left out)
+        common_kwargs, in_sharded_axes = common_kwargs or {}, in_sharded_axes or []
+        replicate_on_axes = replicate_on_axes or []
+        output_is_replicated = output_is_replicated or []
+        replicate_degrees = math.prod(
+            [self.sharding_annotations.get_axis_size(ax) for ax in replicate_on_axes]
+        )
+        if replicate_degrees > 1:
+            # Use ray.put to serialize all the arguments. This can reduce the cost
+            # of repeated serialization when we send same arguments to multiple workers.
+            def _map_nested_value_list(nested_value_list, depth, map_fn):
+                if depth == 0:
+                    return map_fn(nested_value_list)
+                return [_map_nested_value_list(v, depth - 1, map_fn) for v in nested_value_list]
+
+            kwargs_after_ray_put = dict()
+            for key, nested_value_list in kwargs.items():
+                kwargs_after_ray_put[key] = _map_nested_value_list(
+                    nested_value_list, len(in_sharded_axes), ray_put
+                )
+            kwargs = kwargs_after_ray_put
+
+        futures, called_workers, return_from_workers = [], [], []
+        for worker_idx, worker in enumerate(self._workers):
+            worker_coords = self.sharding_annotations.get_worker_coords(worker_idx)
+            should_receive_data = return_from_this_worker = True
+            for axis in self.sharding_annotations.names:
+                if axis not in in_sharded_axes + replicate_on_axes and worker_coords[axis] != 0:
+                    should_receive_data = return_from_this_worker = False  # a free axis
+                    break
+                if axis in output_is_replicated and worker_coords[axis] != 0:
+                    return_from_this_worker = False
+            if return_from_this_worker:
+                return_from_workers.append(worker_idx)
+            if should_receive_data:
+                worker_kwargs = kwargs
+                for axis in in_sharded_axes:
+                    worker_kwargs = {k: v[worker_coords[axis]] for k, v in worker_kwargs.items()}
+                futures.append(
+                    getattr(worker, method_name).remote(**worker_kwargs, **common_kwargs)
+                )
+                called_workers.append(worker_idx)
+        return MultiWorkerFuture(futures, return_from_workers, called_workers)
+
+    def get_all_worker_results(self, future_bundle):
+        results = ray.get(future_bundle.futures)
+        called = future_bundle.called_workers
+        return [results[called.index(w)] for w in future_bundle.return_from_workers]
 
 
-def as_tensor(array: np.ndarray) -> Any:
-    """A torch tensor when torch is installed (as in NeMo-RL), else the numpy array itself."""
-    try:
-        import torch
-    except ImportError:
-        return array
-    return torch.from_numpy(array)
+# -- lm_policy.Policy's calls, one GRPO step, and a worker ----------------------------------
 
 
-def checksum(value: Any) -> int:
-    """CRC32 of an array's (or tensor's) bytes, or of a dict's values in key order."""
-    if isinstance(value, dict):
-        crc = 0
-        for key in sorted(value):
-            crc = zlib.crc32(np.ascontiguousarray(value[key]).tobytes(), crc)
-        return crc
-    return zlib.crc32(np.ascontiguousarray(value).tobytes())
+def sharded_call(group: RayWorkerGroup, method: str, data: BatchedDataDict, **common: Any) -> Any:
+    dp_size = group.sharding_annotations.get_axis_size("data_parallel")
+    futures = group.run_all_workers_sharded_data(
+        method, data=data.shard_by_batch_size(dp_size, batch_size=None),
+        in_sharded_axes=["data_parallel"], replicate_on_axes=REPLICATED,
+        output_is_replicated=REPLICATED, common_kwargs=common,
+    )  # fmt: skip
+    return group.get_all_worker_results(futures)
+
+
+def grpo_step(group: RayWorkerGroup, rollout: dict[str, np.ndarray]) -> None:
+    train_data = BatchedDataDict(rollout)
+    keys = ("input_ids", "input_lengths", "token_mask", "sample_mask")
+    logprob_data = BatchedDataDict({key: train_data[key] for key in keys})
+    logprobs = sharded_call(group, "get_logprobs", logprob_data)
+    train_data["prev_logprobs"] = BatchedDataDict.from_batches(logprobs)["logprobs"]
+    ref = sharded_call(group, "get_reference_policy_logprobs", logprob_data, micro_batch_size=4)
+    ref_logprobs = BatchedDataDict.from_batches(ref)["reference_logprobs"]
+    train_data["reference_policy_logprobs"] = ref_logprobs
+    sharded_call(group, "train", train_data, loss_fn="ClippedPGLossFn", eval_mode=False, mbs=4)
+
+
+def checksum(data: Any) -> int:
+    crc = 0
+    for key in sorted(data):
+        crc = zlib.crc32(np.ascontiguousarray(data[key]).tobytes(), crc)
+    return crc
 
 
 @ray.remote(num_cpus=0.1)
 class PolicyWorker:
-    def __init__(self, rank: int, coords: dict[str, int]) -> None:
-        self.rank = rank
-        self.coords = coords
+    def __init__(self) -> None:
+        self.received: list[int] = []  # a checksum of every shard this worker was sent
 
-    def update_weights(self, state_dict: dict[str, Any]) -> int:
-        self.state_dict = state_dict
-        return checksum(state_dict)
+    def get_logprobs(self, data: Any, **_: Any) -> dict[str, np.ndarray]:
+        self.received.append(checksum(data))
+        return {"logprobs": -np.log1p(data["input_ids"] % 97).astype(np.float32)}
 
-    def train(
-        self, data: BatchedDataDict, token_weights: Any, micro_batch_size: int
-    ) -> dict[str, Any]:
-        return {
-            "coords": self.coords,
-            "is_batch": isinstance(data, BatchedDataDict),
-            "rows": data.size,
-            "data": checksum(data),
-            "token_weights": checksum(token_weights),
-        }
+    def get_reference_policy_logprobs(self, data: Any, **_: Any) -> dict[str, np.ndarray]:
+        return {"reference_logprobs": self.get_logprobs(data)["logprobs"] - 0.01}
+
+    def train(self, data: Any, **_: Any) -> dict[str, float]:
+        self.received.append(checksum(data))
+        return {"global_loss": float(data["prev_logprobs"].mean()), "grad_norm": 1.0}
+
+    def take_received(self) -> list[int]:
+        received, self.received = self.received, []
+        return received
 
 
-class RayWorkerGroup:
-    """One actor per point of a named mesh, e.g. ``dp=2, tp=2``: ranks in row-major order."""
-
-    def __init__(self, worker_cls: Any, **mesh: int) -> None:
-        self.axes = list(mesh)
-        self.coords = [
-            dict(zip(self.axes, point, strict=True))
-            for point in itertools.product(*(range(size) for size in mesh.values()))
-        ]
-        self.workers = [worker_cls.remote(rank, c) for rank, c in enumerate(self.coords)]
-
-    @refshare.shared_args
-    def run_all_workers_single_data(self, method: str, **kwargs: Any) -> list[ray.ObjectRef]:
-        """Call ``method(**kwargs)`` on every worker: each large kwarg is put once."""
-        return [getattr(worker, method).remote(**kwargs) for worker in self.workers]
-
-    @refshare.shared_args
-    def run_all_workers_sharded_data(
-        self,
-        method: str,
-        data: Any,
-        in_sharded_axes: list[str],
-        replicate_on_axes: list[str],
-        common_kwargs: dict[str, Any] | None = None,
-    ) -> list[ray.ObjectRef]:
-        """Call ``method(data=shard, **common_kwargs)`` on every worker.
-
-        ``data`` is a nested list indexed by ``in_sharded_axes`` in order; all workers that
-        differ only along ``replicate_on_axes`` get the same shard, put once.
-        """
-        if sorted(in_sharded_axes + replicate_on_axes) != sorted(self.axes):
-            raise ValueError(f"shard or replicate each of {self.axes} exactly once")
-        futures = []
-        for worker, coords in zip(self.workers, self.coords, strict=True):
-            shard = data
-            for axis in in_sharded_axes:
-                shard = shard[coords[axis]]
-            futures.append(getattr(worker, method).remote(data=shard, **(common_kwargs or {})))
-        return futures
+def run_steps(group: RayWorkerGroup, steps: list[dict[str, np.ndarray]]) -> tuple[Any, Any]:
+    counts = []
+    for rollout in steps:
+        before = Counter({**PUTS, **refshare.stats()._asdict()})
+        grpo_step(group, rollout)
+        counts.append(Counter({**PUTS, **refshare.stats()._asdict()}) - before)
+    return counts, ray.get([worker.take_received.remote() for worker in group.workers])
 
 
 def main() -> None:
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(num_cpus=2, object_store_memory=256 << 20, include_dashboard=False)
     try:
         rng = np.random.default_rng(0)
-        dp, tp = 2, 2
-        group = RayWorkerGroup(PolicyWorker, dp=dp, tp=tp)
-
-        # Broadcast: one 8 MiB state dict to all 4 workers -> 1 put, 3 hits.
-        weights = {
-            name: as_tensor(rng.standard_normal((1024, 1024), dtype=np.float32))
-            for name in ("embed", "lm_head")
-        }
-        sums = ray.get(group.run_all_workers_single_data("update_weights", state_dict=weights))
-        assert sums == [checksum(weights)] * dp * tp, sums
-
-        # Sharded: 2 shards of 1 MiB for dp, replicated on tp -> 2 puts, 2 hits;
-        # the 1 MiB token_weights common to all -> 1 put, 3 hits; micro_batch_size goes by value.
-        batch = BatchedDataDict(
-            input_ids=as_tensor(rng.integers(0, 262_144, (64, 4096), dtype=np.int64)),
-            advantages=as_tensor(rng.standard_normal(64, dtype=np.float32)),
+        layout = np.arange(4).reshape(1, -1, 1, 2)  # pp=1, dp=2, cp=1, tp=2, as lm_policy.py
+        names = ["pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel"]
+        group = RayWorkerGroup(
+            [PolicyWorker.remote() for _ in range(4)], NamedSharding(layout, names)
         )
-        shards = batch.shard_by_batch_size(dp)
-        token_weights = as_tensor(rng.random(262_144, dtype=np.float32))
-        results = ray.get(
-            group.run_all_workers_sharded_data(
-                "train",
-                data=shards,
-                in_sharded_axes=["dp"],
-                replicate_on_axes=["tp"],
-                common_kwargs={"token_weights": token_weights, "micro_batch_size": 4},
-            )
-        )
-        for result in results:
-            shard = shards[result["coords"]["dp"]]
-            assert result["is_batch"] and result["rows"] == shard.size, result
-            assert result["data"] == checksum(shard), result
-            assert result["token_weights"] == checksum(token_weights), result
+        rollouts = [  # 256 sequences of 2048 tokens: 4 MiB of input_ids, 2 MiB per DP shard
+            {
+                "input_ids": rng.integers(0, 32_000, (256, 2048)),
+                "input_lengths": np.full(256, 2048),
+                "token_mask": np.ones((256, 2048), dtype=np.uint8),
+                "sample_mask": np.ones(256, dtype=np.float32),
+                "advantages": rng.standard_normal((256, 2048), dtype=np.float32),
+            }
+            for _ in range(2)
+        ]
+        labels = ["1 new data", "2 same", "3 same", "4 new data"]
+        steps = [rollouts[i] for i in (0, 0, 0, 1)]
 
-        stats = refshare.stats()
-        print(stats)
-        # Puts: state dict + 2 shards + token_weights. Hits: 3 + 2 + 3 workers got a ref.
-        assert stats.puts == 4 and stats.hits == 8, stats
+        plain, plain_received = run_steps(group, steps)
+        refshare.patch_methods(  # as refshare.enable("nemo_rl") does
+            RayWorkerGroup, "run_all_workers_single_data", "run_all_workers_multiple_data",
+            "run_all_workers_sharded_data", "run_single_worker_single_data",
+        )  # fmt: skip
+        shared, shared_received = run_steps(group, steps)
+        assert shared_received == plain_received, "workers received different data"
+        # The two TP ranks of a DP rank got the same shards; the two DP ranks, different ones.
+        assert plain_received[0] == plain_received[1] != plain_received[2] == plain_received[3]
+
+        print("NeMo-RL main (7ea279a) mirror, dp=2 x tp=2; per step: get_logprobs,")
+        print("get_reference_policy_logprobs and train, each sharded over DP")
+        print("step         stored without refshare (ray.put)   stored with refshare   hits")
+        for label, old, new in zip(labels, plain, shared, strict=True):
+            print(f"{label:<12} {old['ray.put']:>33} {new['puts']:>22} {new['hits']:>6}")
+        # 2 log-prob shards (the reference's call finds them) + 2 train shards, then nothing.
+        assert [row["puts"] for row in shared] == [4, 0, 0, 4], shared
+        assert [row["hits"] for row in shared] == [2, 6, 6, 2], shared
+        print(refshare.stats())
     finally:
         ray.shutdown()
 

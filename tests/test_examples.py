@@ -72,7 +72,8 @@ def check(result: subprocess.CompletedProcess[str]) -> None:
 
 def test_examples_exist() -> None:
     names = {p.name for p in EXAMPLES}
-    assert {"nemo_style.py", "verl_style.py", "multi_group.py"} <= names, names
+    frameworks = {f"{name}_style.py" for name in ("verl", "nemo", "openrlhf", "skyrl")}
+    assert {"quickstart.py", *frameworks} <= names, names
 
 
 @pytest.mark.parametrize(
