@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import threading
 from collections.abc import Callable
 from contextvars import Token
 from typing import Any, TypeVar, cast, overload
@@ -141,6 +142,7 @@ class Scope:
         "local",
         "memo",
         "min_bytes",
+        "pending",
         "pickled",
         "puts",
         "reuse",
@@ -155,6 +157,7 @@ class Scope:
         self.puts = options.puts
         self.deep = options.deep
         self.splits: dict[int, tuple[object, Any, Skeleton]] = {}
+        self.pending: dict[Key, threading.Lock] = {}
         self.memo: Memo = {}
         self.pickled: dict[int, tuple[object, Any, Key, int]] = {}
         self.local: dict[Key, Any] = {}
@@ -280,8 +283,8 @@ class Scope:
             return fallback
         return self.store_as(*found, fallback)
 
-    def store_as(self, key: Key, stored: Any, nbytes: int, fallback: Any) -> Any:
-        """The ref stored under ``key`` in the scope or cache, or ``stored`` put now."""
+    def found(self, key: Key, nbytes: int) -> Any:
+        """The ref already stored under ``key`` in the scope or cache (a hit), or ``None``."""
         ref = self.local.get(key)
         if ref is None and self.cache is not None:
             ref = self.cache.get(key)
@@ -290,7 +293,23 @@ class Scope:
             _stats.record_hit(nbytes)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("hit  %d bytes, key %s", nbytes, key.hex()[:12])
+        return ref
+
+    def store_as(self, key: Key, stored: Any, nbytes: int, fallback: Any) -> Any:
+        """The ref stored under ``key`` in the scope or cache, or ``stored`` put now.
+
+        Threads of this scope (a pool putting chunks) that miss one key at the same moment
+        wait for the first one's put instead of each putting the same content."""
+        ref = self.found(key, nbytes)
+        if ref is not None:
             return ref
+        with self.pending.setdefault(key, threading.Lock()):
+            ref = self.found(key, nbytes)
+            if ref is not None:
+                return ref
+            return self.put_new(key, stored, nbytes, fallback)
+
+    def put_new(self, key: Key, stored: Any, nbytes: int, fallback: Any) -> Any:
         try:
             ref = raw_put(stored)
         except Exception:
