@@ -15,7 +15,7 @@ import xxhash
 
 from . import _serialized
 from ._dispatch import TypeTable
-from ._hashing import SEED, digest_buffer
+from ._hashing import PARALLEL_MIN_BYTES, SEED, digest_buffer
 from ._sizing import SizeFn, register_size
 
 logger = logging.getLogger("refshare")
@@ -58,18 +58,27 @@ def _tagged(tag: str, *meta: object) -> xxhash.xxh3_128:
     return xxhash.xxh3_128(repr((tag, *meta)).encode(), SEED)
 
 
+def _head_and_body(head: xxhash.xxh3_128, body: Any) -> Key:
+    """``head`` followed by a C-contiguous buffer: one pass for a small buffer, the
+    parallel chunked digest for a large one."""
+    if memoryview(body).nbytes <= PARALLEL_MIN_BYTES:
+        head.update(body)
+        return head.digest()
+    return _combine(head, digest_buffer(body))
+
+
 def _combine(head: xxhash.xxh3_128, body: bytes) -> Key:
     head.update(body)
     return head.digest()
 
 
 def _digest_bytes(obj: bytes | bytearray) -> Key:
-    return _combine(_tagged(type(obj).__name__, len(obj)), digest_buffer(obj))
+    return _head_and_body(_tagged(type(obj).__name__, len(obj)), obj)
 
 
 def _digest_str(obj: str) -> Key:
     data = obj.encode("utf-8", "surrogatepass")
-    return _combine(_tagged("str", len(data)), digest_buffer(data))
+    return _head_and_body(_tagged("str", len(data)), data)
 
 
 def _digest_memoryview(obj: memoryview) -> Key:
@@ -95,13 +104,31 @@ def _dtype_token(dtype: Any) -> bytes:
     return pickle.dumps(dtype, protocol=5)
 
 
+@functools.lru_cache(maxsize=256)
+def _ndarray_tag(dtype: Any) -> bytes:
+    return b"ndarray:" + _dtype_token(dtype)
+
+
 def _digest_ndarray(arr: Any) -> Key | None:
     if arr.dtype.hasobject:
         return None  # pickled element by element: the generic pass handles it
+    flags = arr.flags
+    if arr.nbytes <= PARALLEL_MIN_BYTES and (flags.c_contiguous or flags.f_contiguous):
+        # The common small case in one pass, without reshaping: a list of a thousand
+        # small arrays costs about what hashing their bytes costs.
+        order = "C" if flags.c_contiguous else "F"
+        head = xxhash.xxh3_128(_ndarray_tag(arr.dtype), SEED)
+        head.update(repr((arr.shape, order, None)).encode())
+        try:
+            head.update(arr if order == "C" else arr.T)
+            return head.digest()
+        except (BufferError, TypeError, ValueError):
+            pass  # a dtype numpy exports no buffer for: through a byte view below
     order, flat = _ndarray_layout(arr)
     strides = arr.strides if order == "N" else None
-    head = _tagged("ndarray", _dtype_token(arr.dtype), arr.shape, order, strides)
-    return _combine(head, digest_buffer(memoryview(flat)))
+    head = xxhash.xxh3_128(_ndarray_tag(arr.dtype), SEED)
+    head.update(repr((arr.shape, order, strides)).encode())
+    return _head_and_body(head, flat)
 
 
 def _check_tensor(t: Any) -> None:
@@ -180,7 +207,7 @@ register_size(
 
 def _digest_elements(t: Any) -> Key:
     head = _tagged("elements", str(t.dtype), tuple(t.shape), t.requires_grad)
-    return _combine(head, digest_buffer(memoryview(element_bytes(t))))
+    return _head_and_body(head, element_bytes(t))
 
 
 # -- stamps: telling cheaply that an object hashed before may have changed ---------------
@@ -469,6 +496,11 @@ class _HashFile:
         return len(data)
 
 
+#: An array of more Python objects than this is keyed by the pickle Ray sends (which a miss
+#: then puts): its elements must be pickled to be keyed, so that pickle is not done twice.
+SERIALIZE_OBJECT_ARRAYS_FROM = 10_000
+
+
 class _FingerprintPickler(pickle.Pickler):
     """Pickles only to hash: out-of-band buffers are hashed where they lie, and arrays,
     tensors and registered types are replaced by their own digests.
@@ -494,7 +526,11 @@ class _FingerprintPickler(pickle.Pickler):
         leaf = _leaf_digests.exact(cls)
         if leaf is not None:
             digest = leaf(obj, self.digests, self.reuse)
-            return NotImplemented if digest is None else (_from_digest, (digest,))
+            if digest is not None:
+                return _from_digest, (digest,)
+            if self.strict and getattr(obj, "size", 0) > SERIALIZE_OBJECT_ARRAYS_FROM:
+                raise NeedsSerializing("a large array of Python objects")
+            return NotImplemented
         known = _user_fingerprints.lookup(cls) if _user_fingerprints else None
         if known is None:
             known = builtin_fingerprints.lookup(cls)

@@ -52,7 +52,9 @@ def digest_buffer(buf: Buffer) -> bytes:
     xxhash releases the GIL on large inputs, so a large buffer is cut into fixed chunks that
     the calling thread and a small pool hash at once; the chunk digests are hashed again.
     """
-    flat = memoryview(buf).cast("B") if not isinstance(buf, bytes) else memoryview(buf)
+    flat = memoryview(buf)
+    if flat.ndim != 1 or flat.itemsize != 1:
+        flat = flat.cast("B")  # only where needed: a cast costs more than a small hash
     size = flat.nbytes
     if size <= PARALLEL_MIN_BYTES:
         return xxhash.xxh3_128_digest(flat, SEED)

@@ -220,3 +220,15 @@ def test_tensors_off_the_cpu_are_neither_sized_nor_hashed() -> None:
     batch = {"weights": off_cpu, "x": np.zeros(10)}
     assert fingerprint(batch) is not None
     assert fingerprint(batch) == fingerprint({"weights": off_cpu.clone(), "x": np.zeros(10)})
+
+
+def test_a_large_object_array_is_keyed_by_the_pickle_ray_sends() -> None:
+    from refshare._fingerprint import SERIALIZE_OBJECT_ARRAYS_FROM, identify
+
+    uids = np.array([f"uid-{i}" for i in range(SERIALIZE_OBJECT_ARRAYS_FROM + 1)], dtype=object)
+    key, pickled, _ = identify(uids) or (None, None, None)
+    assert pickled is not None and key == pickled.key  # one pickle: keyed, then stored
+    assert key == fingerprint(uids.copy()) and key != fingerprint(uids[::-1].copy())
+    few = np.array(["a", "b"], dtype=object)  # small, inside a batch: keyed by a pass
+    found = identify({"uids": few, "x": np.zeros(10)})
+    assert found is not None and found[1] is None
