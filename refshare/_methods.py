@@ -6,7 +6,7 @@ import threading
 import types
 from typing import Any
 
-from ._patch import ensure_pickling_patch
+from ._patch import ensure_pickling_patch, in_chain
 from ._scope import Options, SharedFunction
 
 #: (owner, name) -> (the attribute refshare replaced, the wrapper it put there).
@@ -30,16 +30,6 @@ def _own_attribute(owner: Any, name: str) -> tuple[Any, Any]:
     raise AttributeError(f"{_label(owner, name)} does not exist: check the name")
 
 
-def _chain_holds(current: Any, wrapper: Any) -> bool:
-    for _ in range(32):
-        if current is wrapper:
-            return True
-        current = getattr(current, "__wrapped__", None)
-        if current is None:
-            return False
-    return False
-
-
 def patch_methods(owner: type | types.ModuleType, *names: str, **options: Any) -> list[str]:
     """Wrap ``owner``'s methods (or a module's functions) with ``shared_args(**options)``.
 
@@ -58,7 +48,7 @@ def patch_methods(owner: type | types.ModuleType, *names: str, **options: Any) -
     with _lock:
         for name, original, _stored_on in found:
             entry = _patched.get((owner, name))
-            if entry is not None and _chain_holds(owner.__dict__.get(name), entry[1]):
+            if entry is not None and in_chain(owner.__dict__.get(name), entry[1]):
                 wrapped.append(_label(owner, name))
                 continue
             wrapper = SharedFunction(original, resolved)
@@ -100,4 +90,4 @@ def unpatch_methods(owner: type | types.ModuleType, *names: str) -> list[str]:
 def patched(owner: Any, name: str) -> bool:
     """Whether refshare's wrapper of ``owner.name`` is in place."""
     entry = _patched.get((owner, name))
-    return entry is not None and _chain_holds(owner.__dict__.get(name), entry[1])
+    return entry is not None and in_chain(owner.__dict__.get(name), entry[1])

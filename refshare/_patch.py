@@ -173,7 +173,7 @@ def _find_targets() -> list[_Patch]:
     return found
 
 
-def _in_chain(current: Any, wrapper: Any) -> bool:
+def in_chain(current: Any, wrapper: Any) -> bool:
     """Whether ``wrapper`` is ``current`` or lies under it in a chain of wrappers."""
     for _ in range(32):
         if current is wrapper:
@@ -213,7 +213,7 @@ def install() -> bool:
             _patches.extend(targets)
         for patch in _patches:
             current = patch.current()
-            buried = current is patch.left_on_top or _in_chain(current, patch.wrapper)
+            buried = current is patch.left_on_top or in_chain(current, patch.wrapper)
             if not buried:
                 setattr(patch.cls, patch.attribute, patch.wrapper)
         _installed = True
