@@ -88,3 +88,22 @@ def test_restart_inside_one_decorated_call(restart: Restart) -> None:
         return first, second
 
     assert across_a_restart() == ([summary(a)], [summary(a)])
+
+
+def batch_summary(batch: dict[str, Any]) -> list[tuple[int, int, int]]:
+    return summary(batch["a"], batch["b"])
+
+
+def test_deep_members_are_stored_again_in_a_new_session(restart: Restart) -> None:
+    @refshare.shared_args(deep=True)
+    def deep_fan_out(actors: list[Any], batch: dict[str, Any]) -> list[Any]:
+        return ray.get([a.apply.remote(batch_summary, batch) for a in actors], timeout=60)
+
+    batch = {"a": marked(4, MiB), "b": marked(5, MiB), "step": 1}
+    for store in STORES[:2]:
+        restart(store)
+        group = sinks(2)
+        before = refshare.stats()
+        assert deep_fan_out(group, batch) == [summary(batch["a"], batch["b"])] * 2
+        after = refshare.stats()
+        assert after.puts - before.puts == 2  # both members, put again in this session
