@@ -28,7 +28,7 @@ from ._patch import (
 )
 from ._session import current_session
 from ._sizing import estimate_size
-from ._structure import structure_stamp
+from ._structure import StampedMemo
 
 logger = logging.getLogger("refshare")
 
@@ -130,10 +130,12 @@ class Scope:
     """One decorated call or ``sharing`` block: shares the arguments of what it submits.
 
     The memo lets an array or tensor sent again be reused without hashing while its stamp
-    holds (see ``leaf_digest``); ``pickled`` does the same for values that had to be pickled
-    to be keyed, under a stamp of their whole structure (see ``structure_stamp``), so each
-    is serialized at most once per call. ``local`` lets each content be put once per scope
-    even when no cache is used or the value exceeds the cache budget.
+    holds (see ``leaf_digest``); ``pickled`` and ``splits`` do the same for values that had
+    to be pickled to be keyed and for deep-shared values' skeletons, under a stamp of their
+    whole structure (see ``StampedMemo``), so each is serialized or split at most once per
+    call. ``local`` lets each content be put once per scope even when no cache is used or
+    the value exceeds the cache budget; ``pending`` makes threads that miss one key at once
+    wait for one put.
     """
 
     __slots__ = (
@@ -156,10 +158,10 @@ class Scope:
         self.reuse = options.reuse_fingerprints
         self.puts = options.puts
         self.deep = options.deep
-        self.splits: dict[int, tuple[object, Any, Skeleton]] = {}
+        self.splits = StampedMemo()
         self.pending: dict[Key, threading.Lock] = {}
         self.memo: Memo = {}
-        self.pickled: dict[int, tuple[object, Any, Key, int]] = {}
+        self.pickled = StampedMemo()
         self.local: dict[Key, Any] = {}
         self.session: tuple[str, str] | None = None
 
@@ -207,20 +209,16 @@ class Scope:
         structure stamp holds."""
         if _leaf_digests.exact(type(value)) is not None:
             return None
-        entry = self.splits.get(id(value))
-        if entry is not None and entry[0] is value:
-            stamp = structure_stamp(value)
-            if stamp is not None and stamp[0] == entry[1][0]:
-                return entry[2]
+        skeleton: Skeleton | None = self.splits.get(value)
+        if skeleton is not None:
+            return skeleton
         try:
             skeleton = split(value, self.store_member, self.min_bytes)
         except Exception:
             logger.debug("cannot split %s; shared whole", type(value).__qualname__, exc_info=True)
             return None
         if skeleton is not None:
-            stamp = structure_stamp(value)
-            if stamp is not None:
-                self.splits[id(value)] = (value, stamp, skeleton)
+            self.splits.keep(value, skeleton)
         return skeleton
 
     def store_member(self, member: Any, nbytes: int) -> Any:
@@ -258,11 +256,9 @@ class Scope:
         A value that had to be pickled to be keyed is stored as that pickle and weighs what
         it pickled to; within this scope it is not pickled again while its structure stamp
         holds."""
-        entry = self.pickled.get(id(value))
-        if entry is not None and entry[0] is value:
-            stamp = structure_stamp(value)
-            if stamp is not None and stamp[0] == entry[1][0]:
-                return entry[2], value, entry[3]
+        kept: tuple[Key, int] | None = self.pickled.get(value)
+        if kept is not None:
+            return kept[0], value, kept[1]
         found = identify(value, self.memo, self.reuse)
         if found is None:
             return None
@@ -270,9 +266,7 @@ class Scope:
         if serialized is not None:
             nbytes = serialized.nbytes
         if costly:
-            stamp = structure_stamp(value)
-            if stamp is not None:
-                self.pickled[id(value)] = (value, stamp, key, nbytes)
+            self.pickled.keep(value, (key, nbytes))
         return key, value if serialized is None else serialized, nbytes
 
     def store(self, value: Any, nbytes: int, fallback: Any) -> Any:

@@ -102,3 +102,27 @@ def structure_stamp(obj: object) -> tuple[list[object], list[object]] | None:
     except Exception:
         return None
     return walk.tokens, walk.held
+
+
+class StampedMemo:
+    """What was worked out for a value within one call, kept while its structure stamp
+    holds: a value sent again unchanged is not pickled or split again."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        #: id -> (the value, held so its id is not recycled; its stamp; the result)
+        self.entries: dict[int, tuple[object, Any, Any]] = {}
+
+    def get(self, value: object) -> Any:
+        """The result kept for ``value`` if it is unchanged since, else ``None``."""
+        entry = self.entries.get(id(value))
+        if entry is None or entry[0] is not value:
+            return None
+        stamp = structure_stamp(value)
+        return entry[2] if stamp is not None and stamp[0] == entry[1][0] else None
+
+    def keep(self, value: object, result: Any) -> None:
+        stamp = structure_stamp(value)
+        if stamp is not None:
+            self.entries[id(value)] = (value, stamp, result)
