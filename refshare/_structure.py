@@ -45,7 +45,12 @@ class _Walk:
             if stamped is not None:
                 self.tokens.append((id(obj), stamped[0]))
                 return
+        size = len(obj) if isinstance(obj, (dict, list, tuple, set, frozenset)) else 0
         if cls.__module__ == "numpy" and cls.__name__ == "ndarray":  # of Python objects
+            size = obj.size  # type: ignore[attr-defined]
+        if size > self.budget:
+            raise _TooLarge  # known too large before walking a single member
+        if cls.__module__ == "numpy" and cls.__name__ == "ndarray":
             self.tokens.append((id(obj), obj.shape, obj.strides))  # type: ignore[attr-defined]
             self.add_all(obj.ravel().tolist())  # type: ignore[attr-defined]
         elif isinstance(obj, dict):
