@@ -17,6 +17,8 @@ SizeFn = Callable[[Any], int]
 #: from its first ones, so the estimate costs at most a millisecond or so, whatever the
 #: argument.
 SIZE_VISIT_BUDGET = 10_000
+#: How many elements of an array of Python objects are visited to size it.
+OBJECT_ARRAY_SAMPLE = 32
 #: What one scalar (int, float, ...) is taken to weigh.
 SCALAR_BYTES = 8
 
@@ -124,7 +126,8 @@ class _Sizing:
         elif isinstance(obj, memoryview):
             self.total += obj.nbytes
         elif getattr(getattr(obj, "dtype", None), "hasobject", False):  # numpy, of objects
-            self.add_members(obj.flat, obj.size)  # type: ignore[attr-defined]
+            # Sized from a sample: such arrays (uids, prompts) are nearly uniform.
+            self.add_members(obj.flat, obj.size, OBJECT_ARRAY_SAMPLE)  # type: ignore[attr-defined]
         else:
             state = getattr(obj, "__dict__", None)
             slots = _slot_names(type(obj))
@@ -136,15 +139,15 @@ class _Sizing:
             elif not isinstance(state, dict):
                 self.total += sys.getsizeof(obj, SCALAR_BYTES)
 
-    def add_members(self, items: Any, count: int) -> None:
-        """Add a container's ``count`` members. If the visit budget runs out first, the rest
-        are taken to weigh what the visited ones did on average: a list of two million ints
-        is sized at 16 MB after ten thousand visits."""
+    def add_members(self, items: Any, count: int, sample: int = sys.maxsize) -> None:
+        """Add a container's ``count`` members. If the visit budget (or ``sample``) runs out
+        first, the rest are taken to weigh what the visited ones did on average: a list of
+        two million ints is sized at 16 MB after ten thousand visits."""
         start = self.total
         for visited, item in enumerate(items):
             if self.total >= self.limit:
                 return
-            if self.budget <= 0:
+            if self.budget <= 0 or visited >= sample:
                 self.total += (self.total - start) * (count - visited) // max(visited, 1)
                 return
             self.add(item)
