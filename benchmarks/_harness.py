@@ -1,20 +1,23 @@
 """What every benchmark here shares: a small local Ray, a warmed store, interleaving, medians,
-the record of the machine and revision, and writing Markdown and JSON."""
+the record of the machine and revision, writing Markdown and JSON, and for the RL-step
+replays: refshare on per strategy, each call timed, bytes stored per step, the goals."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import importlib.util
 import json
 import os
+import pickle
 import platform
 import shlex
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 TIMES = "\u00d7"  # multiplication sign
 DASH = "\u2013"  # en dash
+TIMES_LE = "\u2264"  # less-than or equal
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -93,11 +97,6 @@ def ms(seconds: float) -> str:
     if value >= 10:
         return f"{value:.1f}"
     return f"{value:.2f}" if value >= 1 else f"{value:.3f}"
-
-
-def spread(values: Sequence[float]) -> str:
-    """``median (min-max)`` in milliseconds."""
-    return f"{ms(median(values))} ({ms(min(values))}{DASH}{ms(max(values))})"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -172,46 +171,230 @@ def write_results(out: Path, stem: str, results: dict[str, Any], markdown: str) 
     (out / f"{stem}.md").write_text(markdown)
 
 
-class Sharing:
-    """refshare on one method of a class (``cls.__dict__[name]``), switched per strategy turn.
+STRATEGIES = ("plain", "refshare", "deep")  # the framework as it is; top-level; deep=True
 
-    :meth:`on` puts it on for a ``with`` block and takes it off after: with
-    ``refshare.patch_methods`` / ``unpatch_methods`` where refshare has them, else by setting
-    the class attribute to ``refshare.shared_args(original)`` and back. Switch between turns
-    only, never while calls are running.
+
+class Sharing:
+    """refshare on for one strategy's turn, off after: ``"refshare"`` top-level, ``"deep"``
+    with ``deep=True``, ``"plain"`` untouched.
+
+    ``targets`` are ``(class or module, method names)``. With ``framework``, refshare is
+    turned on with ``refshare.enable(framework, deep=...)`` and off with ``disable``, and the
+    targets are only checked (wrapped while on, the originals back after); without, with
+    ``patch_methods`` / ``unpatch_methods`` on the targets. Switch between turns only.
     """
 
-    def __init__(self, cls: type, name: str) -> None:
+    def __init__(self, targets: Sequence[tuple[Any, Sequence[str]]], framework: str = "") -> None:
         import refshare  # here, so that workers importing this module never import it
 
-        self.refshare, self.cls, self.name = refshare, cls, name
-        self.original = cls.__dict__[name]
-        self.api = hasattr(refshare, "patch_methods") and hasattr(refshare, "unpatch_methods")
-        label = f"{cls.__qualname__}, {name!r}"
+        self.refshare, self.targets, self.framework = refshare, targets, framework
+        self.originals = {(o, n): o.__dict__[n] for o, names in targets for n in names}
+        where = ", ".join(f"{_name(o)}.{n}" for o, n in self.originals)
         self.how = (
-            f"refshare.patch_methods({label}), then refshare.unpatch_methods({label})"
-            if self.api
-            else f"{cls.__qualname__}.{name} = refshare.shared_args(original), then original"
+            f"refshare.enable({framework!r}, deep=...) (wraps {where}), then "
+            f"refshare.disable({framework!r})"
+            if framework
+            else f"refshare.patch_methods(..., deep=...) on {where}, then unpatch_methods"
         )
-        self.wrapper = None if self.api else refshare.shared_args(self.original)
+
+    def _wrapped(self) -> list[str]:
+        return [f"{_name(o)}.{n}" for (o, n), f in self.originals.items() if o.__dict__[n] is not f]
 
     @contextlib.contextmanager
-    def on(self, enabled: bool) -> Iterator[None]:
-        if not enabled:
+    def on(self, strategy: str) -> Iterator[None]:
+        if strategy == "plain":
+            if self._wrapped():
+                raise RuntimeError(f"plain turn, but still wrapped: {self._wrapped()}")
             yield
             return
-        if self.api:
-            self.refshare.patch_methods(self.cls, self.name)
-        else:
-            setattr(self.cls, self.name, self.wrapper)
+        deep = strategy == "deep"
+        if self.framework:
+            self.refshare.enable(self.framework, deep=deep)
+        for owner, names in () if self.framework else self.targets:
+            self.refshare.patch_methods(owner, *names, deep=deep)
         try:
-            if self.cls.__dict__[self.name] is self.original:
-                raise RuntimeError(f"{self.how}: the method was not wrapped")
+            if len(self._wrapped()) != len(self.originals):
+                raise RuntimeError(f"{self.how}: only {self._wrapped()} were wrapped")
             yield
         finally:
-            if self.api:
-                self.refshare.unpatch_methods(self.cls, self.name)
-            else:
-                setattr(self.cls, self.name, self.original)
-            if self.cls.__dict__[self.name] is not self.original:
-                raise RuntimeError(f"{self.how}: the original method was not restored")
+            if self.framework:
+                self.refshare.disable(self.framework)
+            for owner, names in () if self.framework else self.targets:
+                self.refshare.unpatch_methods(owner, *names)
+            if self._wrapped():
+                raise RuntimeError(f"{self.how}: {self._wrapped()} were not restored")
+
+
+def _name(owner: Any) -> str:
+    return str(getattr(owner, "__qualname__", getattr(owner, "__name__", owner)))
+
+
+def by_value_bytes(values: Iterable[Any]) -> int:
+    """What Ray stores for arguments sent by value (or put by hand), once per ``.remote()``
+    (or put): each one's serialized size, ``len(pickle.dumps(value, protocol=5))``."""
+    return sum(len(pickle.dumps(value, protocol=5)) for value in values)
+
+
+# -- replaying an RL step: each call timed, strategies interleaved, bytes stored ---------------
+
+
+class Turn:
+    """One strategy's run of one step: each call's seconds and refshare's counts."""
+
+    def __init__(self) -> None:
+        import refshare
+
+        self.stats = refshare.stats
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, dict[str, int]] = {}
+        self.stored = 0  # bytes the driver stored in the step (set by the benchmark)
+        self.distinct = 0  # bytes of the distinct tensors the step sent (set by the benchmark)
+        self.received: Any = None  # checksums of what each worker received
+        self._start, self._before = time.perf_counter(), self.stats()
+
+    def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        before, start = self.stats(), time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.seconds[name] = time.perf_counter() - start
+        self.counts[name] = _delta(before, self.stats())
+        return out
+
+    def finish(self) -> None:
+        self.seconds["step"] = time.perf_counter() - self._start
+        self.counts["step"] = _delta(self._before, self.stats())
+
+    def record(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("seconds", "counts", "stored", "distinct")}
+
+
+def _delta(before: Any, after: Any) -> dict[str, int]:
+    return {f: getattr(after, f) - getattr(before, f) for f in after._fields}
+
+
+def interleave(label: str, steps: int, turn: Callable[[str, int], Turn]) -> list[dict[str, Any]]:
+    """Run ``steps`` steps, every strategy once per step (each leads in turn), with the 1-min
+    load average sampled after each step; checks that every worker received the same."""
+    out = []
+    for step in range(steps):
+        turns = {}
+        for strategy in rotated(STRATEGIES, step):
+            gc.collect()
+            turns[strategy] = turn(strategy, step)
+        same = all(t.received == turns["plain"].received for t in turns.values())
+        load = round(os.getloadavg()[0], 2)
+        out.append({"turns": {s: t.record() for s, t in turns.items()}, "same": same, "load": load})
+        took = ", ".join(f"{s} {ms(t.seconds['step'])} ms" for s, t in turns.items())
+        log(f"{label}: step {step}: {took}; load {load}" + ("" if same else "; CHECKSUMS DIFFER"))
+    return out
+
+
+def summarize(steps: list[dict[str, Any]], calls: Sequence[str]) -> dict[str, Any]:
+    """Medians (ms), ratios to plain and bytes stored per step over the timed ``steps``."""
+    names = (*calls, "step")
+    times = {
+        s: {c: [t["turns"][s]["seconds"][c] for t in steps] for c in names} for s in STRATEGIES
+    }
+    med = {s: {c: median(v) * 1e3 for c, v in by.items()} for s, by in times.items()}
+    stored = {s: [t["turns"][s]["stored"] for t in steps] for s in STRATEGIES}
+    paired = {  # each step's own ratio: its spread shows the noise
+        s: {c: [a / b for a, b in zip(times[s][c], times["plain"][c], strict=True)] for c in names}
+        for s in STRATEGIES
+    }
+    return {
+        "times": times,
+        "median_ms": med,
+        "ratio_to_plain": {s: {c: med[s][c] / med["plain"][c] for c in names} for s in STRATEGIES},
+        "paired_ratio_quartiles": {
+            s: {c: statistics.quantiles(v, n=4) if len(v) > 1 else v * 3 for c, v in by.items()}
+            for s, by in paired.items()
+        },
+        "stored_per_step": stored,
+        "stored_median": {s: median(v) for s, v in stored.items()},
+        "distinct_bytes": steps[-1]["turns"]["plain"]["distinct"],
+        "counts_last_step": {s: steps[-1]["turns"][s]["counts"] for s in STRATEGIES},
+        "load_during": [t["load"] for t in steps],
+    }
+
+
+def goals(summary: dict[str, Any], broadcast_hit: bool | None) -> list[tuple[str, bool]]:
+    """The project's targets for an RL step, each with whether it held."""
+    r, stored = summary["ratio_to_plain"], summary["stored_median"]
+    calls = [c for c in r["plain"] if c != "step"]
+    worst = {s: max(r[s][c] for c in calls) for s in ("refshare", "deep")}
+    top, deep, distinct = stored["refshare"], stored["deep"], summary["distinct_bytes"]
+    out = [
+        (f"refshare: no call above 1.05{TIMES} plain (worst {worst['refshare']:.3f})",
+         worst["refshare"] <= 1.05),
+        (f"refshare: whole step {TIMES_LE} 1.0{TIMES} plain ({r['refshare']['step']:.2f})",
+         r["refshare"]["step"] <= 1.0),
+    ]  # fmt: skip
+    if broadcast_hit is not None:
+        out.append(("refshare: the repeated broadcast hit the cache in every step", broadcast_hit))
+    return [
+        *out,
+        (f"deep: stored per step {TIMES_LE} 1.15{TIMES} distinct ({deep / distinct:.2f})",
+         deep <= 1.15 * distinct),
+        (f"deep: at least 2{TIMES} fewer bytes than refshare ({top / max(deep, 1):.2f}{TIMES})",
+         top >= 2 * deep),
+        (f"deep: whole step {TIMES_LE} 0.6{TIMES} plain ({r['deep']['step']:.2f})",
+         r["deep"]["step"] <= 0.6),
+        (f"deep: whole step below refshare's ({r['deep']['step']:.2f} vs "
+         f"{r['refshare']['step']:.2f} of plain)", r["deep"]["step"] < r["refshare"]["step"]),
+        (f"deep: no call above 1.05{TIMES} plain (worst {worst['deep']:.3f})",
+         worst["deep"] <= 1.05),
+    ]  # fmt: skip
+
+
+def step_report(
+    summary: dict[str, Any], labels: dict[str, str], held: list[Any], goals_title: str = "Goals"
+) -> list[str]:
+    """The Markdown of one replay: times per call and step, bytes stored, goals."""
+    med, r, q = summary["median_ms"], summary["ratio_to_plain"], summary["paired_ratio_quartiles"]
+    header = ["call", *(f"{s} (ms)" for s in STRATEGIES), "refshare ÷ plain", "deep ÷ plain"]
+    rows = [
+        [
+            labels.get(c, c),
+            *(ms(med[s][c] / 1e3) for s in STRATEGIES),
+            *(
+                f"{r[s][c]:.2f} ({q[s][c][0]:.2f}{DASH}{q[s][c][2]:.2f})"
+                for s in ("refshare", "deep")
+            ),
+        ]
+        for c in med["plain"]
+    ]
+    distinct, stored = summary["distinct_bytes"], summary["stored_median"]
+    counts = summary["counts_last_step"]
+    brows = []
+    for s in STRATEGIES:
+        c, every = counts[s]["step"], summary["stored_per_step"][s]
+        spread = f" ({min(every) / MiB:.1f}{DASH}{max(every) / MiB:.1f})"
+        brows.append([
+            s, f"{stored[s] / MiB:.1f}" + ("" if max(every) - min(every) < MiB / 20 else spread),
+            f"{stored[s] / distinct:.2f}", f"{stored[s] / stored['plain']:.2f}",
+            "" if s == "plain" else f"{c['puts']} / {c['hits']} / {c['by_value']}",
+        ])  # fmt: skip
+    load = summary["load_during"]
+    return [
+        *table(header, rows),
+        "",
+        f"Medians over {len(load)} timed steps; ratios: of the medians, and in brackets the "
+        "quartiles of each step's own ratio (the noise). 1-min load average after each step "
+        f"{min(load)}{DASH}{max(load)} (median {median(load)}; the run itself keeps the driver, "
+        "4 workers and Ray's daemons busy on 2 cores).",
+        "",
+        *table(
+            ["strategy", "MiB stored per step", "÷ distinct", "÷ plain", "puts / hits / by value"],
+            brows,
+        ),
+        "",
+        f"Distinct bytes the step sends (each distinct tensor's elements once): "
+        f"{distinct / MiB:.1f} MiB. Stored: plain, what Ray stores by value plus the "
+        "framework's own puts (each argument's `pickle.dumps(..., protocol=5)` size, once per "
+        "`.remote()` or put); refshare and deep, the `refshare.stats().bytes_put` of the step. "
+        "puts / hits / by value: refshare's counts in the last timed step.",
+        "",
+        f"{goals_title}:",
+        "",
+        *(f"- {text}: {'yes' if ok else 'NO'}" for text, ok in held),
+        "",
+    ]

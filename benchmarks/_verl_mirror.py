@@ -5,16 +5,23 @@ contiguous and consolidated (verl/protocol.py), ``chunk`` hands each worker a vi
 batch, and a group call runs dispatch -> ``execute_all`` -> ``execute_all_async`` ->
 ``ray.get`` -> collect, with ``execute_all_async`` giving the i-th element of list arguments
 to the i-th worker and anything else to all (verl/single_controller/{base/decorator.py,
-ray/base.py}). Without tensordict the batch is a plain dict of tensors, and ``.clone()``
-stands in for ``consolidate()``: both copy only the chunk's own elements.
+ray/base.py}). The nd-compute dispatch of the engine workers
+(``make_nd_compute_dataproto_dispatch_fn``) asks the workers for their DP ranks on a mesh's
+first use (``_query_dispatch_info``, ``_query_collect_info``), chunks per DP rank, and puts
+the chunks with ``parallel_put`` (a thread pool, verl/utils/ray_utils.py), looked up at call
+time as verl's import inside the dispatch does. Without tensordict the batch is a plain dict
+of tensors, and ``.clone()`` stands in for ``consolidate()``: both copy only the chunk's own
+elements.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import io
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -129,21 +136,104 @@ def _dp_compute_proto(group: RayWorkerGroup, *args: Any, **kwargs: Any) -> Any:
 
 
 DISPATCH = {
-    Dispatch.ONE_TO_ALL: (_one_to_all, lambda group, output: output),
-    Dispatch.DP_COMPUTE_PROTO: (_dp_compute_proto, lambda group, output: DataProto.concat(output)),
+    Dispatch.ONE_TO_ALL: {"dispatch_fn": _one_to_all, "collect_fn": lambda group, output: output},
+    Dispatch.DP_COMPUTE_PROTO: {
+        "dispatch_fn": _dp_compute_proto,
+        "collect_fn": lambda group, output: DataProto.concat(output),
+    },
 }
 
 
+def parallel_put(data_list: list[Any], max_workers: int | None = None) -> list[Any]:
+    """``ray.put`` every item from a thread pool; the refs in the items' order."""
+    assert len(data_list) > 0, "data_list must not be empty"
+
+    def put_data(index: int, data: Any) -> tuple[int, Any]:
+        return index, ray.put(data)
+
+    if max_workers is None:
+        max_workers = min(len(data_list), 16)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as executor:
+        futures = [executor.submit(put_data, i, data) for i, data in enumerate(data_list)]
+        output: list[Any] = [None] * len(data_list)
+        for future in concurrent.futures.as_completed(futures):
+            index, ref = future.result()
+            output[index] = ref
+    return output
+
+
+def _dispatch_nd(mesh_name: str, group: RayWorkerGroup, *args: Any, **kwargs: Any) -> Any:
+    if mesh_name not in group._dispatch_info:
+        group._dispatch_info[mesh_name] = group._query_dispatch_info(mesh_name)
+    mapping = group._dispatch_info[mesh_name]
+    dp_size = max(mapping) + 1
+    args = [a.chunk(dp_size) for a in args]  # _split_args_kwargs_data_proto
+    kwargs = {k: v.chunk(dp_size) for k, v in kwargs.items()}
+    max_workers = max(1, min(len(args[0]), os.cpu_count() or 1))  # dispatch_nd_compute
+    args = [parallel_put(a, max_workers=max_workers) for a in args]
+    kwargs = {k: parallel_put(v, max_workers=max_workers) for k, v in kwargs.items()}
+    ranks = range(group.world_size)
+    all_args = tuple([a[mapping[i]] for i in ranks] for a in args)
+    return all_args, {k: [v[mapping[i]] for i in ranks] for k, v in kwargs.items()}
+
+
+def _collect_nd(mesh_name: str, group: RayWorkerGroup, output: list[Any]) -> Any:
+    if mesh_name not in group._collect_info:
+        group._collect_info[mesh_name] = group._query_collect_info(mesh_name)
+    mask = group._collect_info[mesh_name]
+    return DataProto.concat([out for out, keep in zip(output, mask, strict=True) if keep])
+
+
+def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> dict[str, Any]:
+    return {
+        "dispatch_fn": partial(_dispatch_nd, mesh_name),
+        "collect_fn": partial(_collect_nd, mesh_name),
+    }
+
+
+class Worker:
+    """What the engine workers use of verl's ``Worker``: the DP rank of each mesh."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self._rank = rank
+        self._dispatch_dp_rank: dict[str, int] = {}
+        self._collect_dp_rank: dict[str, bool] = {}
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def _register_dispatch_collect_info(
+        self, mesh_name: str, dp_rank: int, is_collect: bool
+    ) -> None:
+        if mesh_name in self._dispatch_dp_rank or mesh_name in self._collect_dp_rank:
+            raise ValueError(f"mesh_name {mesh_name} has been registered")
+        self._dispatch_dp_rank[mesh_name] = dp_rank
+        self._collect_dp_rank[mesh_name] = is_collect
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def _query_dispatch_info(self, mesh_name: str) -> int:
+        return self._dispatch_dp_rank[mesh_name]
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def _query_collect_info(self, mesh_name: str) -> bool:
+        return self._collect_dp_rank[mesh_name]
+
+
 class RayWorkerGroup:
-    """``world_size`` actors of ``worker_cls``, with one group method per registered method."""
+    """``world_size`` actors of ``worker_cls`` (a :class:`Worker`; the i-th of rank i), with
+    one group method per registered method."""
 
     def __init__(self, worker_cls: type, world_size: int, num_cpus: float) -> None:
         actor_cls = ray.remote(num_cpus=num_cpus)(worker_cls)
-        self._workers = [actor_cls.remote() for _ in range(world_size)]
+        self._workers = [actor_cls.remote(rank) for rank in range(world_size)]
+        self._dispatch_info: dict[str, list[int]] = {}
+        self._collect_info: dict[str, list[bool]] = {}
         for name in dir(worker_cls):
             mode = getattr(getattr(worker_cls, name), "dispatch_mode", None)
             if mode is not None:
-                setattr(self, name, self._bind(name, *DISPATCH[mode]))
+                fns = DISPATCH[mode] if isinstance(mode, Dispatch) else mode
+                setattr(self, name, self._bind(name, **fns))
 
     @property
     def world_size(self) -> int:

@@ -1,34 +1,36 @@
-"""RL-step replay: one verl PPO step's dispatch and transport, plain and with refshare.
+"""RL-step replay: one verl PPO step's dispatch and transport, plain, refshare and deep.
 
-One step as verl's PPO trainer makes it, on a group of 4 workers, with a batch of 256
-sequences (input_ids, attention_mask, position_ids [256, 3072] int64; responses,
-response_mask [256, 2048] int64; uid strings in non_tensor_batch):
+One step as verl's PPO trainer makes it, on 4 workers, with a batch of 256 sequences
+(input_ids, attention_mask, position_ids [256, 3072] int64; responses, response_mask
+[256, 2048] int64; uids): ``sync_weights``, the same 32 MiB tensor to every worker
+(ONE_TO_ALL) every step; ``compute_log_prob``, ``compute_ref_log_prob``, ``compute_values``,
+each result, a [256, 2048] float32 key, ``union``-ed into the batch; advantages and returns
+added on the driver; ``update_critic``, then ``update_actor``. Workers only checksum what they
+received and compute the new key cheaply: the times are the driver's dispatch,
+serialization and transfer. New rollouts every step; the same weights every step.
 
-* ``sync_weights(state)``: the same 32 MiB tensor to every worker (ONE_TO_ALL), every step;
-* ``compute_log_prob``, ``compute_ref_log_prob``, ``compute_values`` (DP_COMPUTE_PROTO: one
-  chunk per worker), each result, a [256, 2048] float32 key, ``union``-ed into the batch;
-* advantages and returns added on the driver; ``update_critic``, then ``update_actor``.
+The compute calls go one of two ways (``--dispatch``): **dp**, ``Dispatch.DP_COMPUTE_PROTO``,
+one chunk per worker by value; or **nd**, the engine workers' dispatch
+(``make_nd_compute_dataproto_dispatch_fn(mesh_name=...)``) on dp 2 x tp 2, which asks the
+workers for their DP ranks on a mesh's first use and ``parallel_put``s one chunk per DP rank,
+whose two TP ranks get the same ref. Strategies, interleaved per step: **plain**,
+**refshare** (top-level) and **deep** (``deep=True``): on dp, ``patch_methods`` of
+``execute_all_async``; on nd, ``refshare.enable("verl")`` (``execute_all_async`` and
+``parallel_put``; the same two on the mirror). Backends: **verl** (its ``RayWorkerGroup`` and
+``@register`` on a CPU resource pool) and **mirror** (``_verl_mirror.py``, no verl).
 
-Workers only checksum what they received (returned as verl returns metrics) and compute the
-new key cheaply, so the times are the driver's dispatch, serialization and transfer. Every
-step has new rollouts; the weights are the same tensor every step. Strategies, interleaved
-per step: **plain** (the framework as it is) and **refshare** (the group class's
-``execute_all_async`` wrapped, then restored). Backends: **verl** (verl's ``RayWorkerGroup``
-and ``@register`` on a CPU resource pool) and **mirror** (``_verl_mirror.py``, no verl).
-
-    python benchmarks/rl_step.py --backend both   # verl and the mirror (about a minute)
-    python benchmarks/rl_step.py --smoke          # tiny batch, 2 steps: seconds
+    python benchmarks/rl_step.py --backend verl --dispatch nd   # about a minute
+    python benchmarks/rl_step.py --smoke                        # tiny batch: seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,13 +42,13 @@ import torch
 import xxhash
 from _harness import MiB
 
-import refshare
-
-STRATEGIES = ("plain", "refshare")
 CALLS = ("sync_weights", "compute_log_prob", "compute_ref_log_prob", "compute_values")
 CALLS += ("update_critic", "update_actor")
-WORLD = 4
+WORLD, TP = 4, 2  # on nd: workers 0, 1 are DP rank 0, workers 2, 3 DP rank 1
+CHUNKS = {"dp": WORLD, "nd": WORLD // TP}  # chunks of a compute call: per worker, per DP rank
 ACTOR_CPUS = 0.25  # 4 workers hold 1 of Ray's 2 CPUs
+MESHES = {"compute_log_prob": "actor", "compute_ref_log_prob": "ref", "compute_values": "critic"}
+MESHES |= {"update_critic": "critic", "update_actor": "actor"}
 
 
 @dataclass(frozen=True)
@@ -87,41 +89,60 @@ def checksum(value: Any) -> int:
     return h.intdigest()
 
 
-def worker_class(base: type, register: Any, dispatch: Any, data_proto: Any) -> type:
-    """The same worker for both backends, on their own base class, decorator and DataProto."""
-
-    def reply(data: Any, key: str | None = None, value: Any = None) -> Any:
-        metrics = {"metrics": {"checksum": checksum(data)}}  # collected as verl collects metrics
-        return data_proto.from_dict(tensors={key: value} if key else None, meta_info=metrics)
+def worker_class(
+    base: type, register: Any, one_to_all: Any, compute: Callable[[str], Any], data_proto: Any
+) -> type:
+    """The same worker for both backends, on their own base class, decorator and DataProto;
+    ``compute(mesh)`` is the dispatch mode of a compute call."""
 
     class RLWorker(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.received: list[int] = []  # a checksum of everything this worker was sent
+            for mesh in sorted(set(MESHES.values())):  # as verl's engine workers, on init
+                dp_rank, tp_rank = divmod(self.rank, TP)
+                self._register_dispatch_collect_info(mesh, dp_rank=dp_rank, is_collect=tp_rank == 0)
+
         def touch(self, array: np.ndarray) -> int:
             return bench.touch(array)
 
-        @register(dispatch_mode=dispatch.ONE_TO_ALL)
+        def reply(self, data: Any, key: str | None = None, value: Any = None) -> Any:
+            self.received.append(checksum(data))
+            metrics = {"metrics": {"checksum": self.received[-1]}}  # as verl collects metrics
+            return data_proto.from_dict(tensors={key: value} if key else None, meta_info=metrics)
+
+        @register(dispatch_mode=one_to_all)
+        def take_received(self) -> list[int]:
+            received, self.received = self.received, []
+            return received
+
+        @register(dispatch_mode=one_to_all)
         def sync_weights(self, state: torch.Tensor) -> int:
             self.state = state
-            return checksum(state)
+            self.received.append(checksum(state))
+            return self.received[-1]
 
-        @register(dispatch_mode=dispatch.DP_COMPUTE_PROTO)
+        @register(dispatch_mode=compute(MESHES["compute_log_prob"]))
         def compute_log_prob(self, data: Any) -> Any:
-            return reply(data, "old_log_probs", (data.batch["responses"] % 1000).float() * -1e-3)
+            return self.reply(
+                data, "old_log_probs", (data.batch["responses"] % 1000).float() * -1e-3
+            )
 
-        @register(dispatch_mode=dispatch.DP_COMPUTE_PROTO)
+        @register(dispatch_mode=compute(MESHES["compute_ref_log_prob"]))
         def compute_ref_log_prob(self, data: Any) -> Any:
-            return reply(data, "ref_log_prob", data.batch["old_log_probs"] * 0.9)
+            return self.reply(data, "ref_log_prob", data.batch["old_log_probs"] * 0.9)
 
-        @register(dispatch_mode=dispatch.DP_COMPUTE_PROTO)
+        @register(dispatch_mode=compute(MESHES["compute_values"]))
         def compute_values(self, data: Any) -> Any:
-            return reply(data, "values", (data.batch["responses"] % 13).float() * 0.1)
+            return self.reply(data, "values", (data.batch["responses"] % 13).float() * 0.1)
 
-        @register(dispatch_mode=dispatch.DP_COMPUTE_PROTO)
+        @register(dispatch_mode=compute(MESHES["update_critic"]))
         def update_critic(self, data: Any) -> Any:
-            return reply(data)
+            return self.reply(data)
 
-        @register(dispatch_mode=dispatch.DP_COMPUTE_PROTO)
+        @register(dispatch_mode=compute(MESHES["update_actor"]))
         def update_actor(self, data: Any) -> Any:
-            return reply(data)
+            return self.reply(data)
 
     return RLWorker
 
@@ -134,16 +155,19 @@ class Backend:
     name: str
     label: str
     data_proto: Any
-    group_cls: type  # whose execute_all_async refshare wraps
     group: Any
+    sharing: bench.Sharing
+    chunks: int
 
 
-def verl_backend() -> Backend:
+def verl_backend(dispatch: str) -> Backend:
     import verl
     from verl.protocol import DataProto
     from verl.single_controller.base import Worker
     from verl.single_controller.base.decorator import Dispatch, register
+    from verl.single_controller.base.decorator import make_nd_compute_dataproto_dispatch_fn as nd
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.utils import ray_utils
 
     class CpuRayWorkerGroup(RayWorkerGroup):  # type: ignore[misc]
         def _get_master_addr_port(self, pg: Any, bundle_index: int = 0, **_: Any) -> None:
@@ -153,20 +177,27 @@ def verl_backend() -> Backend:
 
     # A CPU pool: one bundle of {"CPU": max_colocate_count} per worker (10 by default).
     pool = RayResourcePool([WORLD], use_gpu=False, max_colocate_count=ACTOR_CPUS)
-    worker = worker_class(Worker, register, Dispatch, DataProto)
+    compute = (lambda mesh: Dispatch.DP_COMPUTE_PROTO) if dispatch == "dp" else nd
+    worker = worker_class(Worker, register, Dispatch.ONE_TO_ALL, compute, DataProto)
     actor_cls = ray.remote(num_cpus=ACTOR_CPUS)(worker)
     group = CpuRayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(actor_cls))
     label = f"verl {verl.__version__}: its RayWorkerGroup, @register(dispatch_mode=...)"
-    return Backend("verl", label, DataProto, RayWorkerGroup, group)
+    targets = [(RayWorkerGroup, ("execute_all_async",)), (ray_utils, ("parallel_put",))]
+    sharing = bench.Sharing(targets[:1]) if dispatch == "dp" else bench.Sharing(targets, "verl")
+    return Backend("verl", label, DataProto, group, sharing, CHUNKS[dispatch])
 
 
-def mirror_backend() -> Backend:
+def mirror_backend(dispatch: str) -> Backend:
     import _verl_mirror as m
 
-    worker = worker_class(object, m.register, m.Dispatch, m.DataProto)
+    nd = m.make_nd_compute_dataproto_dispatch_fn
+    compute = (lambda mesh: m.Dispatch.DP_COMPUTE_PROTO) if dispatch == "dp" else nd
+    worker = worker_class(m.Worker, m.register, m.Dispatch.ONE_TO_ALL, compute, m.DataProto)
     group = m.RayWorkerGroup(worker, WORLD, ACTOR_CPUS)
     label = f"mirror of {m.MIRRORS} (benchmarks/_verl_mirror.py), batch as {m.BATCH_TYPE}"
-    return Backend("mirror", label, m.DataProto, m.RayWorkerGroup, group)
+    targets = [(m.RayWorkerGroup, ("execute_all_async",)), (m, ("parallel_put",))]
+    sharing = bench.Sharing(targets[:1] if dispatch == "dp" else targets)
+    return Backend("mirror", label, m.DataProto, group, sharing, CHUNKS[dispatch])
 
 
 # -- one step ---------------------------------------------------------------------------------
@@ -181,167 +212,144 @@ def rollouts(config: Config) -> dict[str, torch.Tensor]:
 
 
 def step_batch(data_proto: Any, base: dict[str, torch.Tensor], step: int) -> Any:
-    """New content every step (the same for both strategies of a step), 8 responses a uid."""
+    """New content every step (the same for every strategy of a step), 8 responses a uid."""
     uid = np.array([f"s{step}-p{i // 8}" for i in range(len(base["responses"]))], dtype=object)
     tensors = {k: v + step for k, v in base.items()}
     return data_proto.from_dict(tensors, {"uid": uid}, {"temperature": 1.0, "step": step})
 
 
-def run_step(backend: Backend, batch: Any, weights: torch.Tensor) -> dict[str, Any]:
-    """One PPO step: per call, its seconds, refshare's counts, MiB per worker, checksums."""
-    group, dp, record = backend.group, backend.data_proto, {}
+def run_step(backend: Backend, batch: Any, weights: torch.Tensor, strategy: str) -> bench.Turn:
+    """One PPO step under ``strategy``: each call's seconds, bytes stored, checksums."""
+    group, dp = backend.group, backend.data_proto
+    sent: dict[str, list[str]] = {}  # the keys each compute call sent (the batch grows)
 
-    def chunk_mib(data: Any) -> float:
-        return sum(t.numel() * t.element_size() for t in data.batch.values()) / MiB / WORLD
+    with backend.sharing.on(strategy):
+        turn = bench.Turn()
 
-    def call(name: str, *args: Any) -> Any:
-        sent = weights.nbytes / MiB if name == "sync_weights" else chunk_mib(batch)
-        before = refshare.stats()
-        start = time.perf_counter()
-        out = getattr(group, name)(*args)
-        seconds = time.perf_counter() - start
-        after = refshare.stats()
-        sums = out if name == "sync_weights" else out.meta_info.pop("metrics")["checksum"]
-        counts = {f: getattr(after, f) - getattr(before, f) for f in after._fields}
-        record[name] = {"seconds": seconds, "stats": counts, "mib_per_worker": sent, "sums": sums}
-        return out
+        def call(name: str, data: Any) -> Any:
+            sent[name] = list(data.batch.keys())
+            out = turn.call(name, getattr(group, name), data)
+            out.meta_info.pop("metrics")  # the checksums, as verl's trainer pops metrics
+            return out
 
-    start = time.perf_counter()
-    call("sync_weights", weights)
-    batch = batch.union(call("compute_log_prob", batch))
-    batch = batch.union(call("compute_ref_log_prob", batch))
-    batch = batch.union(call("compute_values", batch))
-    advantages = batch.batch["ref_log_prob"] - batch.batch["old_log_probs"]
-    returns = advantages + batch.batch["values"]
-    batch = batch.union(dp.from_dict({"advantages": advantages, "returns": returns}))
-    call("update_critic", batch)
-    call("update_actor", batch)
-    record["step"] = {"seconds": time.perf_counter() - start}
-    return record
+        turn.call("sync_weights", group.sync_weights, weights)
+        batch = batch.union(call("compute_log_prob", batch))
+        batch = batch.union(call("compute_ref_log_prob", batch))
+        batch = batch.union(call("compute_values", batch))
+        advantages = batch.batch["ref_log_prob"] - batch.batch["old_log_probs"]
+        returns = advantages + batch.batch["values"]
+        batch = batch.union(dp.from_dict({"advantages": advantages, "returns": returns}))
+        call("update_critic", batch)
+        call("update_actor", batch)
+        turn.finish()
+
+    turn.received = group.take_received()
+    if len({tuple(r) for r in turn.received}) != backend.chunks:  # nd: TP ranks get the same
+        raise RuntimeError(f"expected {backend.chunks} different chunks per call: {turn.received}")
+    turn.distinct = weights.nbytes + sum(t.nbytes for t in batch.batch.values())
+    if strategy != "plain":
+        turn.stored = turn.counts["step"]["bytes_put"]
+        return turn
+    # What plain stores, counted now (untimed): the broadcast by value once per worker; each
+    # chunk once per call, by value on dp, by the dispatch's own parallel_put on nd.
+    turn.stored = WORLD * bench.by_value_bytes([weights])
+    for keys in sent.values():
+        data = dp.from_dict(
+            {k: batch.batch[k] for k in keys}, batch.non_tensor_batch, batch.meta_info
+        )
+        turn.stored += bench.by_value_bytes(data.chunk(backend.chunks))
+    return turn
 
 
 def run_backend(backend: Backend, config: Config) -> dict[str, Any]:
-    """Warm up, then time every step under both strategies, interleaved."""
-    sharing = bench.Sharing(backend.group_cls, "execute_all_async")
+    """Warm up, then time every step under every strategy, interleaved."""
     base = rollouts(config)
     weights = torch.randn(config.weights_bytes // 4, generator=torch.Generator().manual_seed(1))
     bench.log(f"{backend.name}: warming the store")
     warm_seconds = bench.warm_store(backend.group.workers, config.store_bytes)
-    steps: list[dict[str, Any]] = []
-    for step in range(config.warmup + config.steps):
-        turns = {}
-        for strategy in bench.rotated(STRATEGIES, step):
-            batch = step_batch(backend.data_proto, base, step)
-            gc.collect()
-            with sharing.on(strategy == "refshare"):
-                turns[strategy] = run_step(backend, batch, weights)
-        steps.append(turns)
-        took = ", ".join(f"{s} {bench.ms(t['step']['seconds'])} ms" for s, t in turns.items())
-        bench.log(f"{backend.name}: step {step}: {took}")
+
+    def turn(strategy: str, step: int) -> bench.Turn:
+        return run_step(backend, step_batch(backend.data_proto, base, step), weights, strategy)
+
+    steps = bench.interleave(backend.name, config.warmup + config.steps, turn)
     timed = steps[config.warmup :]
-    mismatched = [
-        f"step {i} {name}"
-        for i, turns in enumerate(steps)
-        for name in CALLS
-        if turns["plain"][name]["sums"] != turns["refshare"][name]["sums"]
-    ]
-    per_step = [
-        {
-            **{f: sum(t["refshare"][n]["stats"][f] for n in CALLS) for f in refshare.Stats._fields},
-            "broadcast": t["refshare"]["sync_weights"]["stats"],
-        }
-        for t in timed
-    ]
+    summary = bench.summarize(timed, CALLS)
+    hit = {
+        s: all(
+            t["turns"][s]["counts"]["sync_weights"]["puts"] == 0
+            and t["turns"][s]["counts"]["sync_weights"]["hits"] == WORLD
+            for t in timed
+        )
+        for s in ("refshare", "deep")
+    }
     return {
         "label": backend.label,
-        "patch": sharing.how,
+        "patch": backend.sharing.how,
         "warm_store_seconds": round(warm_seconds, 1),
-        "times": {
-            s: {n: [t[s][n]["seconds"] for t in timed] for n in (*CALLS, "step")}
-            for s in STRATEGIES
-        },
-        "mib_per_worker": {n: timed[0]["plain"][n]["mib_per_worker"] for n in CALLS},
-        "per_call_stats": {n: timed[-1]["refshare"][n]["stats"] for n in CALLS},
-        "refshare_per_step": per_step,
-        "broadcast_hit_every_step": all(
-            s["broadcast"]["puts"] == 0 and s["broadcast"]["hits"] == WORLD for s in per_step
-        ),
-        "checksums_compared": len(steps) * len(CALLS) * WORLD,
-        "checksum_mismatches": mismatched,
+        "summary": summary,
+        "broadcast_hit_every_step": hit,
+        "goals": bench.goals(summary, hit["refshare"]),
+        "checksums_same_every_step": [t["same"] for t in steps],
     }
 
 
 # -- report -----------------------------------------------------------------------------------
 
 
-def backend_section(name: str, r: dict[str, Any]) -> list[str]:
-    header = ["call", "MiB per worker", "plain (ms)", "refshare (ms)", "refshare ÷ plain"]
-    rows = []
-    for call in (*CALLS, "step"):
-        plain, shared = (bench.median(r["times"][s][call]) for s in STRATEGIES)
-        c = r["per_call_stats"][call] if call in CALLS else r["refshare_per_step"][-1]
-        sent = f"{r['mib_per_worker'][call]:.2f}" if call in CALLS else ""
-        label = call if call in CALLS else "**whole step**"
-        counts = f"{c['puts']} / {c['hits']}", f"{c['bytes_put'] / MiB:.1f}"
-        rows.append(
-            [label, sent, bench.ms(plain), bench.ms(shared), f"{shared / plain:.2f}", *counts]
-        )
-    runs = [
-        f"{s['puts']} / {s['hits']} / {s['bytes_put'] / MiB:.1f} / {s['by_value']} "
-        f"({s['broadcast']['puts']} / {s['broadcast']['hits']})"
-        for s in r["refshare_per_step"]
-    ]
-    steps = f"{runs[0]} in every one" if len(set(runs)) == 1 else "; ".join(runs)
-    bad = r["checksum_mismatches"]
-    checks = "identical under both strategies" if not bad else f"DIFFER: {', '.join(bad)}"
-    hit = "yes" if r["broadcast_hit_every_step"] else "no"
-    return [
-        f"## {name}: {r['label']}",
-        "",
-        f"refshare on for the refshare turn of each step only, as `{r['patch']}`.",
-        "",
-        *bench.table([*header, "refshare puts / hits", "refshare MiB put"], rows),
-        "",
-        "Medians over the timed steps; refshare's puts / hits and MiB put (its `bytes_put`) "
-        "are counted in the last timed step.",
-        "",
-        f"- Checksums of what each worker received, every call of every step "
-        f"({r['checksums_compared']} in all): {checks}.",
-        f"- The broadcast hit refshare's cache in every timed step (0 puts, {WORLD} hits): {hit}.",
-        f"- refshare per timed step, puts / hits / MiB put / by value (broadcast puts / hits): "
-        f"{steps}.",
-        "",
-    ]
-
-
 def report(results: dict[str, Any]) -> str:
-    c, meta = results["config"], results["meta"]
+    c, meta, dispatch = results["config"], results["meta"], results["dispatch"]
     batch, seq, resp = c["batch"], c["seq_len"], c["response_len"]
-    lines = ["# RL-step replay: one verl PPO step, plain and with refshare", ""]
+    how = {
+        "dp": "`Dispatch.DP_COMPUTE_PROTO`: one chunk per worker, sent by value",
+        "nd": "`make_nd_compute_dataproto_dispatch_fn(mesh_name=...)`: dp 2 "
+        f"{bench.TIMES} tp 2, one chunk per DP rank put by the dispatch's `parallel_put`, "
+        "both TP ranks sent its ref",
+    }[dispatch]
+    lines = [f"# RL-step replay: one verl PPO step ({dispatch}), plain, refshare and deep", ""]
     lines += [*bench.machine_lines(meta), ""]  # where, when, at which revision
     lines += [
         f"Ray: one local session, `ray.init(num_cpus=2, object_store_memory="
         f"{c['store_bytes'] // MiB} MiB)`, {WORLD} workers of {ACTOR_CPUS} CPU, store warmed "
-        f"before timing. {c['steps']} timed steps after {c['warmup']} untimed, the two "
+        f"before timing. {c['steps']} timed steps after {c['warmup']} untimed, the three "
         "strategies interleaved (each leads in turn); each turn gets its own copy of the step's "
         "batch, new content every step.",
         "",
         f"Batch: {batch} sequences; input_ids, attention_mask, position_ids [{batch}, {seq}] "
         f"int64; responses, response_mask [{batch}, {resp}] int64; uid strings. Each compute "
         f"call adds a [{batch}, {resp}] float32 key; the driver adds advantages and returns. "
-        f"Broadcast: one {c['weights_bytes'] // MiB} MiB float32 tensor, the same every step.",
+        f"Broadcast: one {c['weights_bytes'] // MiB} MiB float32 tensor, the same every step "
+        f"(ONE_TO_ALL, by value). Compute calls: {how}. The batch is a `DataProto` either way "
+        "(verl's trainer hands its engine workers `batch.to_tensordict()` without padding; "
+        "the dispatch chunks both alike), so the two dispatches differ in dispatch only.",
         "",
     ]
     for name, r in results["backends"].items():
-        lines += backend_section(name, r)
+        same, hit = all(r["checksums_same_every_step"]), r["broadcast_hit_every_step"]
+        fresh = r["summary"]["distinct_bytes"] - c["weights_bytes"]
+        deep = r["summary"]["stored_median"]["deep"]
+        lines += [
+            f"## {name}: {r['label']}",
+            "",
+            f"refshare on for its turns only, as {r['patch']}.",
+            "",
+            *bench.step_report(r["summary"], {"step": "**whole step**"}, r["goals"]),
+            f"- Checksums of everything each worker received, every step: "
+            f"{'identical under all three strategies' if same else 'DIFFER'}.",
+            f"- Without the broadcast (stored once, then found every step), the distinct bytes "
+            f"are {fresh / MiB:.1f} MiB a step; deep stored {deep / fresh:.2f}{bench.TIMES} that.",
+            f"- The broadcast hit the cache in every timed step (0 puts, {WORLD} hits): "
+            + ", ".join(f"{s} {'yes' if hit[s] else 'no'}" for s in ("refshare", "deep"))
+            + ".",
+            "",
+        ]
     lines += [
-        "Times include dispatch (chunking), serialization, transfer, the workers' checksum "
-        f"and collection (concat); the whole step also the driver's unions {bench.DASH} the same "
-        "work under both strategies. MiB per worker counts the elements of one chunk; "
-        "refshare's `bytes_put` is its own size estimate of what it put. refshare knows types "
-        "by class: built-in handling it has for `verl.protocol.DataProto` does not apply to "
-        "the mirror's class, which it sees as an unknown type; that is where the two "
-        "backends' refshare columns can differ.",
+        "Times include dispatch (chunking), puts, serialization, transfer, the workers' "
+        f"checksum and collection (concat); the whole step also the driver's unions {bench.DASH} "
+        "the same work under every strategy. refshare knows types by class: its handling of "
+        "`verl.protocol.DataProto` (keying without pickling, and the tensors deep sharing "
+        "takes out) does not apply to the mirror's class, which it sees as an unknown type "
+        "whose pickling runs code of its own; on the mirror, deep sharing can only take out "
+        "that pickle.",
         "",
     ]
     return "\n".join(lines)
@@ -357,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--backend", choices=("verl", "mirror", "both"), default="verl" if has_verl else "mirror"
     )
+    parser.add_argument("--dispatch", choices=("dp", "nd"), default="dp", help="compute calls")
     parser.add_argument("--no-tensordict", action="store_true", help="mirror: dict batches")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
@@ -373,10 +382,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     started = time.perf_counter()
     bench.start_ray(config.store_bytes)
-    results: dict[str, Any] = {"meta": meta, "config": asdict(config), "backends": {}}
+    results: dict[str, Any] = {"meta": meta, "config": asdict(config), "dispatch": args.dispatch}
+    results["backends"] = {}
     try:
         for name in names:
-            backend = verl_backend() if name == "verl" else mirror_backend()
+            make = verl_backend if name == "verl" else mirror_backend
+            backend = make(args.dispatch)
             try:
                 results["backends"][name] = run_backend(backend, config)
             finally:
@@ -385,10 +396,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ray.shutdown()
     meta["seconds"] = round(time.perf_counter() - started, 1)
     meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]  # a shared machine?
-    bench.write_results(args.out, "rl_step", results, report(results))
-    print((args.out / "rl_step.md").read_text())
-    bad = any(r["checksum_mismatches"] for r in results["backends"].values())
-    return 1 if bad else 0
+    stem = "rl_step" if args.dispatch == "dp" else "rl_step_nd"
+    bench.write_results(args.out, stem, results, report(results))
+    print((args.out / f"{stem}.md").read_text())
+    same = all(all(r["checksums_same_every_step"]) for r in results["backends"].values())
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,386 @@
+"""NeMo-RL step replay: policy log-probs, reference log-probs and train, plain, refshare, deep.
+
+NeMo-RL ships no package to install here, so the parts that decide transport are mirrored
+from NeMo-RL main (commit 7ea279a): ``nemo_rl/distributed/batched_data_dict.py``
+(``BatchedDataDict``, a ``collections.UserDict``; ``shard_by_batch_size`` without dynamic
+batching, which copies each shard's rows) and ``nemo_rl/distributed/worker_groups.py``
+(``RayWorkerGroup.run_all_workers_sharded_data``, which ``ray.put``s every DP shard when a
+replicated axis has more than one rank, and the other three ``run_*`` methods). The policy
+calls are ``lm_policy.Policy``'s: shard by DP, run on every worker, gather from TP rank 0.
+
+One GRPO step on dp 2 x tp 2 (4 workers), with a batch of 256 sequences: input_ids,
+attention_mask, position_ids, token_mask [256, 2048] int64, advantages [256, 2048] float32,
+input_lengths and sample_mask [256]. The batch gains a [256, 2048] float32 key after each
+call: ``get_logprobs`` (then ``prev_logprobs``), ``get_reference_policy_logprobs`` (then
+``reference_policy_logprobs``), ``train``. Workers only checksum what they received and
+compute the new key cheaply. Strategies, interleaved per step: **plain**, **refshare** and
+**deep** (``deep=True``), both as ``refshare.patch_methods`` of the four ``run_*`` names,
+which is what ``refshare.enable("nemo_rl")`` wraps.
+
+    python benchmarks/nemo_step.py           # about a minute
+    python benchmarks/nemo_step.py --smoke   # tiny batch: seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections import UserDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import _harness as bench
+import numpy as np
+import ray
+import torch
+import xxhash
+from _harness import MiB
+
+CALLS = ("get_logprobs", "get_reference_policy_logprobs", "train")
+RUN_METHODS = ("run_all_workers_single_data", "run_all_workers_multiple_data")
+RUN_METHODS += ("run_all_workers_sharded_data", "run_single_worker_single_data")
+AXES = ["pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel"]
+REPLICATED = ["context_parallel", "tensor_parallel", "pipeline_parallel"]
+LAYOUT = np.arange(4).reshape(1, 2, 1, 2)  # pp 1, dp 2, cp 1, tp 2, as lm_policy.py lays out
+DP, WORLD, ACTOR_CPUS = 2, 4, 0.25
+INT_KEYS = ("input_ids", "attention_mask", "position_ids", "token_mask")  # [batch, seq] int64
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str
+    batch: int  # sequences
+    seq_len: int  # every [batch, seq_len] key
+    steps: int  # timed steps
+    warmup: int  # untimed steps first
+    store_bytes: int
+
+
+MODES = {
+    "full": Config("full", 256, 2048, steps=21, warmup=2, store_bytes=2 << 30),
+    "quick": Config("quick", 256, 2048, steps=9, warmup=1, store_bytes=1 << 30),
+    "smoke": Config("smoke", 16, 2048, steps=2, warmup=1, store_bytes=128 * MiB),
+}
+
+
+# -- NeMo-RL main (7ea279a), mirrored ---------------------------------------------------------
+
+
+class NamedSharding:
+    def __init__(self, layout: Any, names: list[str]) -> None:
+        self._layout, self.names = np.array(layout), list(names)
+
+    def get_worker_coords(self, worker_id: int) -> dict[str, int]:
+        indices = np.where(self._layout == worker_id)
+        return {name: int(indices[i][0]) for i, name in enumerate(self.names)}
+
+    def get_axis_size(self, name: str) -> int:
+        return int(self._layout.shape[self.names.index(name)])
+
+
+class BatchedDataDict(UserDict):  # type: ignore[type-arg]  # no pickling of its own
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.micro_batch_indices = None
+        self.micro_batch_lengths = None
+        self.elem_counts_per_gb = None
+
+    @classmethod
+    def from_batches(cls, batches: Sequence[Any]) -> Any:
+        # (NeMo-RL pads 2-D tensors to the longest row first; ours are all one length)
+        return cls({k: torch.cat([b[k] for b in batches]) for k in sorted(batches[0])})
+
+    def shard_by_batch_size(self, shards: int, batch_size: int | None = None) -> list[Any]:
+        total = len(next(iter(self.data.values())))
+        batch_size = batch_size or total
+        num_chunks, shard_size = total // batch_size, batch_size // shards
+        aggregated_shards = [SlicedDataDict() for _ in range(shards)]
+        for shard_idx in range(shards):
+            for chunk_idx in range(num_chunks):
+                start = chunk_idx * batch_size + shard_idx * shard_size
+                indices = torch.arange(start, start + shard_size)
+                for k, v in self.data.items():  # copies of the rows, as in NeMo-RL
+                    part = v[indices].clone()
+                    shard = aggregated_shards[shard_idx]
+                    shard[k] = torch.cat([shard[k], part]) if k in shard else part
+        return aggregated_shards
+
+
+class SlicedDataDict(BatchedDataDict):
+    pass
+
+
+@dataclass
+class MultiWorkerFuture:
+    futures: list[Any]
+    return_from_workers: list[int]
+    called_workers: list[int]
+
+
+class RayWorkerGroup:
+    def __init__(self, workers: list[Any], sharding_annotations: NamedSharding) -> None:
+        self._workers, self.sharding_annotations = workers, sharding_annotations
+
+    @property
+    def workers(self) -> list[Any]:
+        return self._workers
+
+    def run_single_worker_single_data(
+        self, method_name: str, worker_idx: int, **kwargs: Any
+    ) -> Any:
+        return getattr(self.workers[worker_idx], method_name).remote(**kwargs)
+
+    def run_all_workers_multiple_data(
+        self, method_name: str, common_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> list[Any]:
+        common_kwargs = common_kwargs or {}
+        return [
+            getattr(w, method_name).remote(**{k: v[i] for k, v in kwargs.items()}, **common_kwargs)
+            for i, w in enumerate(self.workers)
+        ]
+
+    def run_all_workers_single_data(self, method_name: str, **kwargs: Any) -> list[Any]:
+        kwargs = {key: ray.put(value) for key, value in kwargs.items()}
+        return [getattr(worker, method_name).remote(**kwargs) for worker in self.workers]
+
+    def run_all_workers_sharded_data(
+        self,
+        method_name: str,
+        in_sharded_axes: list[str] | None = None,
+        replicate_on_axes: list[str] | None = None,
+        output_is_replicated: list[str] | None = None,
+        common_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> MultiWorkerFuture:
+        common_kwargs, in_sharded_axes = common_kwargs or {}, in_sharded_axes or []
+        replicate_on_axes = replicate_on_axes or []
+        output_is_replicated = output_is_replicated or []
+        sizes = [self.sharding_annotations.get_axis_size(ax) for ax in replicate_on_axes]
+        if math.prod(sizes) > 1:
+            # Use ray.put to serialize all the arguments. This can reduce the cost
+            # of repeated serialization when we send same arguments to multiple workers.
+            def _map(nested: Any, depth: int) -> Any:
+                return ray.put(nested) if depth == 0 else [_map(v, depth - 1) for v in nested]
+
+            kwargs = {k: _map(v, len(in_sharded_axes)) for k, v in kwargs.items()}
+        futures, called_workers, return_from_workers = [], [], []
+        for worker_idx, worker in enumerate(self._workers):
+            coords = self.sharding_annotations.get_worker_coords(worker_idx)
+            should_receive_data = return_from_this_worker = True
+            for axis in self.sharding_annotations.names:
+                if axis not in in_sharded_axes + replicate_on_axes and coords[axis] != 0:
+                    should_receive_data = return_from_this_worker = False  # a free axis
+                    break
+                if axis in output_is_replicated and coords[axis] != 0:
+                    return_from_this_worker = False
+            if return_from_this_worker:
+                return_from_workers.append(worker_idx)
+            if should_receive_data:
+                worker_kwargs = kwargs
+                for axis in in_sharded_axes:
+                    worker_kwargs = {k: v[coords[axis]] for k, v in worker_kwargs.items()}
+                futures.append(
+                    getattr(worker, method_name).remote(**worker_kwargs, **common_kwargs)
+                )
+                called_workers.append(worker_idx)
+        return MultiWorkerFuture(futures, return_from_workers, called_workers)
+
+    def get_all_worker_results(self, future_bundle: MultiWorkerFuture) -> list[Any]:
+        results = ray.get(future_bundle.futures)
+        called = future_bundle.called_workers
+        return [results[called.index(w)] for w in future_bundle.return_from_workers]
+
+
+def policy_call(group: RayWorkerGroup, method: str, data: BatchedDataDict, **common: Any) -> Any:
+    """What ``lm_policy.Policy``'s methods do: shard by DP, run everywhere, gather TP rank 0."""
+    futures = group.run_all_workers_sharded_data(
+        method, data=data.shard_by_batch_size(DP, batch_size=None),
+        in_sharded_axes=["data_parallel"], replicate_on_axes=REPLICATED,
+        output_is_replicated=REPLICATED, common_kwargs=common,
+    )  # fmt: skip
+    results = group.get_all_worker_results(futures)
+    return BatchedDataDict.from_batches(results) if method != "train" else results
+
+
+# -- the worker: receives, checksums, computes a new key cheaply ------------------------------
+
+
+def checksum(data: Any) -> int:
+    """xxh3-64 of a shard: its type, attributes, and every tensor's name, dtype, shape, bytes."""
+    h = xxhash.xxh3_64(f"{type(data).__name__} {sorted(vars(data).items())!r}".encode())
+    for key in sorted(data):
+        tensor = data[key]
+        h.update(f"{key} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        h.update(tensor.contiguous().numpy())
+    return h.intdigest()
+
+
+class PolicyWorker:
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def touch(self, array: np.ndarray) -> int:
+        return bench.touch(array)
+
+    def get_logprobs(self, data: Any, **_: Any) -> dict[str, torch.Tensor]:
+        self.received.append(checksum(data))
+        return {"logprobs": (data["input_ids"] % 97).float() * -1e-2}
+
+    def get_reference_policy_logprobs(self, data: Any, **_: Any) -> dict[str, torch.Tensor]:
+        self.received.append(checksum(data))
+        return {"reference_logprobs": data["prev_logprobs"] * 0.9}
+
+    def train(self, data: Any, **_: Any) -> dict[str, float]:
+        self.received.append(checksum(data))
+        return {"loss": float(data["advantages"][:, 0].mean()), "grad_norm": 1.0}
+
+    def take_received(self) -> list[int]:
+        received, self.received = self.received, []
+        return received
+
+
+# -- one step ---------------------------------------------------------------------------------
+
+
+def rollout(config: Config, step: int) -> BatchedDataDict:
+    """New content every step (the same for every strategy of a step)."""
+    g = torch.Generator().manual_seed(step)
+    shape = (config.batch, config.seq_len)
+    data = {k: torch.randint(0, 32_000, shape, generator=g) for k in INT_KEYS}
+    data["advantages"] = torch.randn(shape, generator=g)
+    data["input_lengths"] = torch.full((config.batch,), config.seq_len)
+    data["sample_mask"] = torch.ones(config.batch)
+    return BatchedDataDict(data)
+
+
+def run_step(group: RayWorkerGroup, data: BatchedDataDict, strategy: str, sharing: Any) -> Any:
+    """One GRPO step under ``strategy``: each call's seconds, bytes stored, checksums."""
+    sent: dict[str, list[str]] = {}  # the keys each call sent (the batch grows)
+    with sharing.on(strategy):
+        turn = bench.Turn()
+
+        def call(name: str, **common: Any) -> Any:
+            sent[name] = list(data)
+            return turn.call(name, policy_call, group, name, data, **common)
+
+        data["prev_logprobs"] = call("get_logprobs")["logprobs"]
+        ref = call("get_reference_policy_logprobs", micro_batch_size=4)
+        data["reference_policy_logprobs"] = ref["reference_logprobs"]
+        call("train", loss_fn="ClippedPGLossFn", eval_mode=False, gbs=len(data["input_ids"]))
+        turn.finish()
+    turn.received = ray.get([w.take_received.remote() for w in group.workers])
+    if not turn.received[0] == turn.received[1] != turn.received[2] == turn.received[3]:
+        raise RuntimeError("the TP ranks of a DP rank should receive the same shards, and only")
+    turn.distinct = sum(v.nbytes for v in data.values())
+    if strategy != "plain":
+        turn.stored = turn.counts["step"]["bytes_put"]
+        return turn
+    # What plain stores, counted now (untimed): each DP shard once per call, by NeMo-RL's puts.
+    for keys in sent.values():
+        shards = BatchedDataDict({k: data[k] for k in keys}).shard_by_batch_size(DP)
+        turn.stored += bench.by_value_bytes(shards)
+    return turn
+
+
+def run(config: Config) -> dict[str, Any]:
+    actor_cls = ray.remote(num_cpus=ACTOR_CPUS)(PolicyWorker)
+    workers = [actor_cls.remote() for _ in range(WORLD)]
+    group = RayWorkerGroup(workers, NamedSharding(LAYOUT, AXES))
+    sharing = bench.Sharing([(RayWorkerGroup, RUN_METHODS)])
+    try:
+        bench.log("nemo: warming the store")
+        warm_seconds = bench.warm_store(workers, config.store_bytes)
+
+        def turn(strategy: str, step: int) -> bench.Turn:
+            return run_step(group, rollout(config, step), strategy, sharing)
+
+        steps = bench.interleave("nemo", config.warmup + config.steps, turn)
+    finally:
+        bench.stop_group(group)
+    timed = steps[config.warmup :]
+    summary = bench.summarize(timed, CALLS)
+    return {
+        "patch": sharing.how,
+        "warm_store_seconds": round(warm_seconds, 1),
+        "summary": summary,
+        "goals": bench.goals(summary, broadcast_hit=None),
+        "checksums_same_every_step": [t["same"] for t in steps],
+    }
+
+
+def report(results: dict[str, Any]) -> str:
+    c, r = results["config"], results["result"]
+    same = all(r["checksums_same_every_step"])
+    lines = ["# NeMo-RL step replay: log-probs, reference log-probs, train", ""]
+    lines += [*bench.machine_lines(results["meta"]), ""]
+    lines += [
+        f"Ray: one local session, `ray.init(num_cpus=2, object_store_memory="
+        f"{c['store_bytes'] // MiB} MiB)`, {WORLD} workers of {ACTOR_CPUS} CPU "
+        f"(dp {DP} {bench.TIMES} tp {WORLD // DP}), store warmed before timing. "
+        f"{c['steps']} timed steps after {c['warmup']} untimed, the three strategies "
+        "interleaved (each leads in turn); each turn gets its own copy of the step's batch, "
+        "new content every step.",
+        "",
+        f"Batch: a `BatchedDataDict` of {c['batch']} sequences: {', '.join(INT_KEYS)} "
+        f"[{c['batch']}, {c['seq_len']}] int64, advantages [{c['batch']}, {c['seq_len']}] "
+        "float32, input_lengths and sample_mask; `prev_logprobs` added after `get_logprobs`, "
+        "`reference_policy_logprobs` after `get_reference_policy_logprobs` (float32, same "
+        "shape). Each call shards it by DP (copies of the rows) and `ray.put`s each shard, as "
+        "`run_all_workers_sharded_data` does with tp > 1; both TP ranks get the shard's ref.",
+        "",
+        f"Mirror of NeMo-RL main (7ea279a), in this file; refshare on for its turns only, "
+        f'as {r["patch"]} (what `refshare.enable("nemo_rl")` wraps).',
+        "",
+        *bench.step_report(
+            r["summary"], {"step": "**whole step**"}, r["goals"], "Goals (the RL-step ones)"
+        ),
+        f"- Checksums of every shard each worker received, every step: "
+        f"{'identical under all three strategies' if same else 'DIFFER'}.",
+        "",
+        "Times include sharding (NeMo-RL copies each shard's rows), puts, serialization, "
+        "transfer, the workers' checksum and gathering (`from_batches`). Every call's shards "
+        "are new content as a whole (the batch gained a key), so top-level sharing finds no "
+        "repeat within a step; deep sharing stores the unchanged tensors once.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="9 timed steps")
+    mode.add_argument("--smoke", action="store_true", help="tiny batch, 2 timed steps")
+    parser.add_argument("--steps", type=int, help="timed steps (default: by mode)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    config = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    if args.steps:
+        config = Config(**{**asdict(config), "steps": args.steps})
+    meta = bench.machine(
+        "nemo_step.py", ray_init={"num_cpus": 2, "object_store_memory": config.store_bytes}
+    )
+    started = time.perf_counter()
+    bench.start_ray(config.store_bytes)
+    try:
+        results = {"meta": meta, "config": asdict(config), "result": run(config)}
+    finally:
+        ray.shutdown()
+    meta["seconds"] = round(time.perf_counter() - started, 1)
+    meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    bench.write_results(args.out, "nemo_step", results, report(results))
+    print((args.out / "nemo_step.md").read_text())
+    return 0 if all(results["result"]["checksums_same_every_step"]) else 1
+
+
+if __name__ == "__main__":
+    # Run from the module, not __main__, so that its classes pickle by reference (as NeMo-RL's
+    # do from its package) instead of by value with every put and skeleton.
+    import nemo_step
+
+    sys.exit(nemo_step.main())

@@ -1,0 +1,44 @@
+"""The RL-step replays (verl-shaped, both dispatch paths, and NeMo-RL-shaped) run end to end
+in their smallest mode, on their mirrors, and every worker receives the same checksums under
+every strategy (the scripts exit non-zero otherwise). Timings are never checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+CASES = {
+    "rl_step dp": (["rl_step.py", "--smoke", "--backend", "mirror"], "rl_step"),
+    "rl_step nd": (["rl_step.py", "--smoke", "--backend", "mirror", "--dispatch", "nd"], None),
+    "nemo_step": (["nemo_step.py", "--smoke"], "nemo_step"),
+}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_step_benchmark_smoke(case: str, tmp_path: Path) -> None:
+    args, stem = CASES[case]
+    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / args[0]), *args[1:], "--out", str(tmp_path)],
+        cwd=BENCHMARKS.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert any(name.endswith(".md") for name in written), written
+    results = [p for p in tmp_path.iterdir() if p.suffix == ".json"]
+    assert results and all(json.loads(p.read_text()) for p in results)
+    if stem is not None:
+        assert (tmp_path / f"{stem}.md").exists(), written
