@@ -20,6 +20,7 @@ CASES = {
 }
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("torch")  # the replays send torch batches, as the frameworks do
 
 
 @pytest.mark.parametrize("case", list(CASES))
