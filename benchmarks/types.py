@@ -18,6 +18,7 @@ import gc
 import importlib.util
 import pickle
 import pstats
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,17 +55,16 @@ class Config:
     mode: str
     unit: int  # bytes of most rows
     reps: int
-    store_bytes: int
-    warm_bytes: int  # put and freed before measuring
+    store_bytes: int  # 90% of it is put and freed first: puts into untouched pages are slow
     list_items: tuple[int, int]  # the list row: this many arrays of this many bytes
     strings: int  # the object-array row
     text_bytes: int  # the str row
 
 
 MODES = {
-    "full": Config("full", 16 * MiB, 15, 2 << 30, 512 * MiB, (1000, 32 * KiB), 100_000, 16 * MiB),
-    "quick": Config("quick", 4 * MiB, 9, 1 << 30, 256 * MiB, (1000, 8 * KiB), 30_000, 4 * MiB),
-    "smoke": Config("smoke", 256 * KiB, 2, 256 * MiB, 64 * MiB, (100, 4 * KiB), 2000, 256 * KiB),
+    "full": Config("full", 16 * MiB, 15, 2 << 30, (1000, 32 * KiB), 100_000, 16 * MiB),
+    "quick": Config("quick", 4 * MiB, 9, 1 << 30, (1000, 8 * KiB), 30_000, 4 * MiB),
+    "smoke": Config("smoke", 256 * KiB, 2, 256 * MiB, (100, 4 * KiB), 2000, 256 * KiB),
 }
 
 
@@ -81,6 +81,12 @@ class Arrays:
     b: np.ndarray
     c: np.ndarray
     d: np.ndarray
+
+
+# A program's own classes live in a module, which Ray pickles by reference; a script's are in
+# __main__, which it pickles by value on every put. Name this module as a program would.
+sys.modules.setdefault("types_benchmark", sys.modules[__name__])
+Arrays.__module__ = BatchedDataDictLike.__module__ = "types_benchmark"
 
 
 @dataclasses.dataclass
@@ -185,7 +191,6 @@ def rows(cfg: Config) -> Iterator[Callable[[], Row]]:
         from tensordict import TensorDict
 
         def tensordict(piece: bool) -> Row:
-            # The copy is built as the value was: see the note on .clone().
             td, td2 = (TensorDict(batch, batch_size=[256]) for batch in twice(tensors(cols)))
             if piece:
                 note = "a view: its tensors pickle their parents' whole storages"
@@ -213,9 +218,8 @@ def rows(cfg: Config) -> Iterator[Callable[[], Row]]:
 
 
 def raw_buffers(v: Any, out: list[Any]) -> list[Any]:
-    """Each array's or tensor's own elements as a C buffer, or a pickle of anything else.
-
-    Made before timing: a non-contiguous array is copied here (Ray copies it too)."""
+    """Each array's or tensor's own elements as a C buffer (a copy if it is not contiguous, as
+    Ray makes too), or a pickle of anything else."""
     if isinstance(v, np.ndarray) and not v.dtype.hasobject:
         out.append(np.ascontiguousarray(v.T if v.flags.f_contiguous else v).reshape(-1).view("u1"))
     elif torch is not None and isinstance(v, torch.Tensor):
@@ -243,38 +247,57 @@ def sent_bytes(v: Any) -> int:
 # -- measuring --------------------------------------------------------------------------------
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+def settle(timeout: float = 30.0) -> float:
+    """Wait until the CPUs are 90% idle (Ray starts idle workers after ``ray.init``, which take
+    seconds of CPU to import); returns the seconds waited."""
+    start, stat = time.perf_counter(), Path("/proc/stat")
+    while time.perf_counter() - start < timeout and stat.exists():
+        before = [int(x) for x in stat.read_text().split()[1:9]]
+        time.sleep(0.5)
+        ticks = [int(x) - y for x, y in zip(stat.read_text().split()[1:9], before, strict=True)]
+        if ticks[3] + ticks[4] >= 0.9 * sum(ticks):  # idle and iowait
+            break
+    return time.perf_counter() - start
+
+
+def timed(fn: Callable[[], Any], profiler: cProfile.Profile | None = None) -> tuple[float, Any]:
     gc.disable()
     start = time.perf_counter()
-    out = fn()
+    out = fn() if profiler is None else profiler.runcall(fn)
     seconds = time.perf_counter() - start
     gc.enable()
     return seconds, out
 
 
+def shared(row: Row, what: str, profiler: cProfile.Profile | None = None) -> tuple[float, Any]:
+    """Time one ``share`` miss of ``row.value`` or hit of ``row.copy``; what stats() counted."""
+    refshare.clear()
+    first = refshare.share(row.value) if what == "hit" else None  # the cache holds its ref
+    before = refshare.stats()
+    seconds, ref = timed(lambda: refshare.share(row.value if first is None else row.copy), profiler)
+    after = refshare.stats()
+    count = {k: getattr(after, k) - getattr(before, k) for k in ("puts", "hits", "by_value")}
+    refshare.clear()
+    return seconds, count if first is None else {**count, "same_ref": ref == first}
+
+
 def measure(row: Row, reps: int) -> dict[str, Any]:
     """Interleaved repetitions of the five measurements, after one untimed repetition."""
-    v, v2, buffers = row.value, row.copy, raw_buffers(row.value, [])
+    v, buffers = row.value, raw_buffers(row.value, [])
     times: dict[str, list[float]] = {m: [] for m in MEASURES}
-    counts: dict[str, list[dict[str, int]]] = {"miss": [], "hit": []}
+    counts: dict[str, list[dict[str, Any]]] = {"miss": [], "hit": []}
 
-    def shared(what: str, value: Any) -> float:
-        refshare.clear()
-        first = refshare.share(v) if what == "hit" else None  # the cache holds v's ref
-        before = refshare.stats()
-        seconds, ref = timed(lambda: refshare.share(value))
-        after = refshare.stats()
-        count = {k: getattr(after, k) - getattr(before, k) for k in ("puts", "hits", "by_value")}
-        counts[what].append({**count, "same_ref": ref == first} if what == "hit" else count)
-        refshare.clear()
+    def count(what: str) -> float:
+        seconds, counted = shared(row, what)
+        counts[what].append(counted)
         return seconds
 
     run: dict[str, Callable[[], float]] = {
         "put": lambda: timed(lambda: ray.put(v))[0],
         "fingerprint": lambda: timed(lambda: refshare.fingerprint(v))[0],
         "xxh3": lambda: timed(lambda: [xxhash.xxh3_128_digest(b) for b in buffers])[0],
-        "miss": lambda: shared("miss", v),
-        "hit": lambda: shared("hit", v2),
+        "miss": lambda: count("miss"),
+        "hit": lambda: count("hit"),
     }
     for rep in range(-1, reps):
         for name in bench.rotated(MEASURES, max(rep, 0)):
@@ -291,25 +314,19 @@ def measure(row: Row, reps: int) -> dict[str, Any]:
     found = refshare._fingerprint.identify(v)  # keyed by walking v, or by Ray's pickle of it
     keyed = "by value" if found is None else ("pickle" if found[1] is not None else "walk")
     result = {"name": row.name, "note": row.note, "keyed_by": keyed, "goals": goals}
-    result |= {
-        "sent_bytes": sent_bytes(v),
-        "hashed_bytes": sum(memoryview(b).nbytes for b in buffers),
-    }
+    hashed = sum(memoryview(b).nbytes for b in buffers)
+    result |= {"sent_bytes": sent_bytes(v), "hashed_bytes": hashed}
     return result | {"medians": med, "times": times, "stats": counts}
 
 
 def profile(row: Row, reps: int) -> None:
     """Print cProfile's top functions over ``reps`` misses, then ``reps`` hits, of ``row``."""
-    for what, value in (("miss", row.value), ("hit", row.copy)):
+    for what in ("miss", "hit"):
         profiler = cProfile.Profile()
         for _ in range(reps):
-            refshare.clear()
-            if what == "hit":
-                refshare.share(row.value)  # the cache holds its ref
-            profiler.runcall(refshare.share, value)
+            shared(row, what, profiler)
         print(f"\n== {row.name}: {reps} x share, a {what} each; by own time ==")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
-    refshare.clear()
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -320,11 +337,11 @@ def table_row(r: dict[str, Any]) -> list[str]:
     puts = "/".join(sorted({str(c["puts"]) for c in miss}))
     puts += ", by value" if any(c["by_value"] for c in miss) else ""
     hits = "1" if all(c["hits"] == 1 and c["same_ref"] for c in hit) else "NO"
-    goals = [
-        (g["met"], f"{g['ratio']:.2f}{TIMES} put, limit {g['limit']:.2f}{TIMES}")
-        for g in r["goals"].values()
-    ]
-    goals = [f"{'yes' if met else 'NO'} ({text})" for met, text in goals]
+    goals = []
+    for g in r["goals"].values():  # a third decimal where two would show the limit itself
+        d = 3 if f"{g['ratio']:.2f}" == f"{g['limit']:.2f}" else 2
+        verdict = "yes" if g["met"] else "NO"
+        goals.append(f"{verdict} ({g['ratio']:.{d}f}{TIMES} put, limit {g['limit']:.{d}f}{TIMES})")
     cells = [r["name"], f"{r['sent_bytes'] / MiB:.1f}", *(bench.ms(m[k]) for k in MEASURES)]
     cells[4] += f" ({r['hashed_bytes'] / MiB:.1f})"  # the MiB xxh3 hashed
     return [*cells, *goals, r["keyed_by"], puts, hits]
@@ -355,7 +372,11 @@ def main() -> None:
     cfg = dataclasses.replace(cfg, reps=args.reps or cfg.reps)
     start = time.perf_counter()
     bench.start_ray(cfg.store_bytes)
-    bench.warm_store([], cfg.warm_bytes)
+    warm = bench.warm_store([], cfg.store_bytes)
+    timeout = 5 if args.smoke else 30
+    waited = settle(timeout)
+    busy = " and they are still busy: expect noise" if waited >= timeout else ""
+    bench.log(f"warmed the object store in {warm:.1f} s, waited {waited:.1f} s for idle CPUs{busy}")
     results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "rows": []}
     for build in rows(cfg):
         row = build()
@@ -370,7 +391,9 @@ def main() -> None:
         gc.collect()
     if args.profile:
         return
-    results["meta"] = bench.machine("types.py", seconds=round(time.perf_counter() - start))
+    results["meta"] = bench.machine(
+        "types.py", seconds=round(time.perf_counter() - start), idle_wait_s=round(waited, 1)
+    )
     text = markdown(results)
     bench.write_results(args.out, "types", results, text)
     print(text)

@@ -1,6 +1,7 @@
-"""The RL-step replays (verl-shaped, both dispatch paths, and NeMo-RL-shaped) run end to end
-in their smallest mode, on their mirrors, and every worker receives the same checksums under
-every strategy (the scripts exit non-zero otherwise). Timings are never checked."""
+"""The RL-step replays (verl-shaped, both dispatch paths, and NeMo-RL-shaped) and the type
+table run end to end in their smallest mode, on their mirrors, and every worker receives the
+same checksums under every strategy (the scripts exit non-zero otherwise). Timings are never
+checked."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ CASES = {
     "rl_step dp": (["rl_step.py", "--smoke", "--backend", "mirror"], "rl_step"),
     "rl_step nd": (["rl_step.py", "--smoke", "--backend", "mirror", "--dispatch", "nd"], None),
     "nemo_step": (["nemo_step.py", "--smoke"], "nemo_step"),
+    "types": (["types.py", "--smoke"], "types"),
 }
 
 pytestmark = pytest.mark.slow
