@@ -9,8 +9,9 @@ serialized, and a repeat costs one hash of its bytes:
   (a chunk's rows, not its parent's storage) and those two dicts.
 - NeMo-RL's ``BatchedDataDict`` is a ``collections.UserDict`` with no pickling of its own:
   it pickles its attributes, so that is what its key covers.
-- ``tensordict.TensorDict`` needs no entry: its ``__getstate__`` returns its attributes,
-  which the fingerprint pass walks (its tensors send their whole storages, as in a pickle).
+- ``tensordict.TensorDict`` pickles its attributes (its tensors send their whole storages,
+  as in any pickle); its key takes them in sorted order, since a ``clone()`` holds the same
+  attributes in another order, which the worker's unpickling cannot tell apart.
 """
 
 from __future__ import annotations
@@ -85,6 +86,14 @@ def attributes_fingerprint(obj: Any) -> Any:
     return vars(obj)
 
 
+# -- tensordict ----------------------------------------------------------------------------
+
+
+def tensordict_fingerprint(td: Any) -> Any:
+    """What pickling a ``TensorDict`` sends: its attributes, in an order of their own."""
+    return sorted(td.__getstate__().items())
+
+
 # -- registration -------------------------------------------------------------------------
 
 #: (module, class name, fingerprint, size or None): what is registered once the module
@@ -92,6 +101,7 @@ def attributes_fingerprint(obj: Any) -> Any:
 BATCH_TYPES: tuple[tuple[str, str, FingerprintFn, SizeFn | None], ...] = (
     ("verl.protocol", "DataProto", dataproto_fingerprint, dataproto_size),
     ("nemo_rl.distributed.batched_data_dict", "BatchedDataDict", attributes_fingerprint, None),
+    ("tensordict._td", "TensorDict", tensordict_fingerprint, None),
 )
 
 
