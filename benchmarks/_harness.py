@@ -4,6 +4,7 @@ replays: refshare on per strategy, each call timed, bytes stored per step, the g
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import gc
@@ -103,6 +104,17 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return lines
+
+
+def step_parser(doc: str, results: Path) -> argparse.ArgumentParser:
+    """The options every step replay takes: its mode, how many steps, where to write."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="9 timed steps")
+    mode.add_argument("--smoke", action="store_true", help="tiny batch, 2 timed steps")
+    parser.add_argument("--steps", type=int, help="timed steps (default: by mode)")
+    parser.add_argument("--out", type=Path, default=results)
+    return parser
 
 
 def git_state() -> dict[str, str]:

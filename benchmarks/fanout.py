@@ -32,15 +32,10 @@ checks), ``fanout.json`` (raw times) and ``fanout.png`` (log-log plot) in ``--ou
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import importlib.util
 import json
 import os
-import platform
-import shlex
-import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -49,17 +44,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import _harness as bench
 import numpy as np
 import ray
 import xxhash
+from _harness import DASH, TIMES, MiB, log, median, ms, rotated, table
 
 import refshare
 
 KiB = 1 << 10
-MiB = 1 << 20
 GiB = 1 << 30
-TIMES = "\u00d7"  # multiplication sign
-DASH = "\u2013"  # en dash
 
 #: Strategies in table order, with their display labels.
 STRATEGIES: dict[str, str] = {
@@ -393,12 +387,6 @@ def _checked_call(call: Callable[[Case, float], list[int]], case: Case, hold_s: 
     _check(case, call(case, hold_s))
 
 
-def rotated(names: Sequence[str], rep: int) -> list[str]:
-    """Round-robin order for one repetition: each strategy leads in turn."""
-    k = rep % len(names)
-    return [*names[k:], *names[:k]]
-
-
 def time_case(case: Case, reps: int) -> tuple[dict[str, list[float]], dict[str, dict[str, int]]]:
     """Time every strategy ``reps`` times, interleaved; also count what refshare did.
 
@@ -525,18 +513,10 @@ def measure_in_flight(case: Case, monitor: StoreMonitor, hold_s: float) -> dict[
 
 
 def warm_store(workers: Sequence[Any], store_bytes: int, value: Any) -> float:
-    """Write every page of the object store once, and map it in every worker.
-
-    Fills 90% of the store with objects kept alive at once (so none reuses another's
-    pages), has each worker read a byte of every page, frees them, then makes two
-    by-value fan-outs of ``value``. Returns the seconds it took.
-    """
+    """Warm the object store and every worker's mapping of it (``bench.warm_store``), then
+    make two by-value fan-outs of ``value``. Returns the seconds it took."""
     start = time.perf_counter()
-    chunk_bytes = min(64 * MiB, store_bytes // 16)
-    chunk = np.ones(chunk_bytes // 8)
-    refs = [ray.put(chunk) for _ in range(int(0.9 * store_bytes) // chunk_bytes)]
-    ray.get([w.touch.remote(ref) for ref in refs for w in workers])
-    del refs
+    bench.warm_store(workers, store_bytes)
     for _ in range(2):
         fan_out(workers, value)
     return time.perf_counter() - start
@@ -612,14 +592,18 @@ def start_ray(config: Config) -> None:
     )
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def run(config: Config) -> dict[str, Any]:
     """Run every measurement of ``config``; return the raw results."""
     found, skipped = payloads(config)
-    meta = machine(config)  # before measuring: the refshare revision that was imported
+    # Before measuring: the refshare revision that was imported.
+    meta = bench.machine(
+        "fanout.py",
+        ray_init={
+            "num_cpus": 2,
+            "object_store_memory": config.store_bytes,
+            "actor_num_cpus": 0.1,
+        },
+    )
     started = time.perf_counter()
     start_ray(config)
     try:
@@ -692,70 +676,7 @@ def measure_all(config: Config, found: list[Payload], all_workers: list[Any]) ->
     }
 
 
-def git_revision() -> str:
-    """`` (git abc1234)``, with ``+dirty`` for uncommitted changes; empty outside a checkout."""
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(repo), "status", "--porcelain", "--", "refshare"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return f" (git {head}{'+dirty' if dirty else ''})"
-
-
-def machine(config: Config) -> dict[str, Any]:
-    """The machine and software the run used."""
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = {
-        "python": platform.python_version(),
-        "ray": ray.__version__,
-        "numpy": np.__version__,
-        "xxhash": xxhash.VERSION,
-        "refshare": refshare.__version__ + git_revision(),
-    }
-    if importlib.util.find_spec("torch") is not None:
-        import torch
-
-        versions["torch"] = torch.__version__
-    return {
-        "command": shlex.join(["python", *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "versions": versions,
-        "ray_init": {
-            "num_cpus": 2,
-            "object_store_memory": config.store_bytes,
-            "actor_num_cpus": 0.1,
-        },
-    }
-
-
 # -- analysis -------------------------------------------------------------------------------
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
 
 
 def case_ratios(times: dict[str, list[float]]) -> dict[str, float]:
@@ -849,15 +770,6 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
 # -- report ---------------------------------------------------------------------------------
 
 
-def ms(seconds: float) -> str:
-    value = seconds * 1e3
-    if value >= 100:
-        return f"{value:.0f}"
-    if value >= 10:
-        return f"{value:.1f}"
-    return f"{value:.2f}" if value >= 1 else f"{value:.3f}"
-
-
 def spread(values: Sequence[float]) -> str:
     """``median (min-max)`` in milliseconds."""
     return f"{ms(median(values))} ({ms(min(values))}{DASH}{ms(max(values))})"
@@ -869,12 +781,6 @@ def held_cell(held: dict[str, float] | None, name: str, nbytes: int) -> str:
         return "-"
     mib = held[name] / MiB
     return f"{mib:.{0 if mib >= 10 else 2}f} MiB ({held[name] / nbytes:.1f}{TIMES})"
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
@@ -928,6 +834,8 @@ def report(results: dict[str, Any], summary: dict[str, Any]) -> str:
         f"{meta['seconds']} s)",
         "",
         f"Machine: {meta['cpu']}, {meta['cores']} cores; {meta['platform']}; {versions}.",
+        "",
+        f"Revision: `{meta['git']['head'] or 'unknown'}`.",
         "",
         f"Ray: one local session, `ray.init(num_cpus=2, object_store_memory="
         f"{size_label(config['store_bytes'])})`, actors with num_cpus=0.1; "

@@ -23,7 +23,6 @@ which is what ``refshare.enable("nemo_rl")`` wraps.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -352,12 +351,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="9 timed steps")
-    mode.add_argument("--smoke", action="store_true", help="tiny batch, 2 timed steps")
-    parser.add_argument("--steps", type=int, help="timed steps (default: by mode)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser = bench.step_parser(__doc__ or "", Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     config = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     if args.steps:

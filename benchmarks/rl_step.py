@@ -25,7 +25,6 @@ whose two TP ranks get the same ref. Strategies, interleaved per step: **plain**
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import sys
@@ -357,17 +356,12 @@ def report(results: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     has_verl = importlib.util.find_spec("verl") is not None
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="9 timed steps")
-    mode.add_argument("--smoke", action="store_true", help="tiny batch, 2 timed steps")
-    parser.add_argument("--steps", type=int, help="timed steps (default: by mode)")
+    parser = bench.step_parser(__doc__ or "", Path(__file__).parent / "results")
     parser.add_argument(
         "--backend", choices=("verl", "mirror", "both"), default="verl" if has_verl else "mirror"
     )
     parser.add_argument("--dispatch", choices=("dp", "nd"), default="dp", help="compute calls")
     parser.add_argument("--no-tensordict", action="store_true", help="mirror: dict batches")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     config = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     if args.steps:
