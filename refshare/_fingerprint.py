@@ -290,6 +290,17 @@ def _tensor_stamp(t: Any) -> Stamp:
     return (where, _spot_check(_storage_bytes(t))), PROMISED
 
 
+def _elements_stamp(t: Any) -> Stamp:
+    """As :func:`_tensor_stamp`, spot-checking the tensor's own elements (what a
+    ``TensorElements`` sends): a chunk's rows, still in the cache after being hashed, not
+    its parent's whole storage."""
+    if not t.is_contiguous():
+        return _tensor_stamp(t)
+    version = None if t.is_inference() else t._version
+    where = (version, t.data_ptr(), tuple(t.shape), t.stride())
+    return (where, _spot_check(element_bytes(t))), NEVER if version is None else PROMISED
+
+
 def _storage_stamp(t: Any) -> Stamp:
     """A storage is stamped through any tensor on it; views share its version counter."""
     if t.device.type != "cpu":
@@ -343,7 +354,7 @@ def _tensor_digest(t: Any, memo: Memo | None, reuse: bool) -> Key | None:
 def _elements_digest(wrapper: TensorElements, memo: Memo | None, reuse: bool) -> Key | None:
     t = wrapper.tensor
     _check_tensor(t)
-    return leaf_digest(t, _digest_elements, memo, reuse, ("elements", id(t)))
+    return leaf_digest(t, _digest_elements, memo, reuse, ("elements", id(t)), _elements_stamp)
 
 
 def _numpy_digests(table: TypeTable[DigestFn]) -> None:
@@ -587,31 +598,49 @@ def leaf_digest(
     """
     if stamp_fn is None:
         stamp_fn = _stamps.exact(type(obj))
-    stamped = stamp_fn(obj) if stamp_fn is not None else None
+    if stamp_fn is None:
+        return leaf(obj)
+    if memo_key is None:
+        memo_key = id(obj)
+    if (memo is None or memo_key not in memo) and memo_key not in _seen:
+        # Seen for the first time: hash first, then stamp while the memory is still in the
+        # cache. Stamped first, the spot check of cold memory cost as much as the hash.
+        digest = leaf(obj)
+        if digest is not None:
+            stamped = stamp_fn(obj)
+            if stamped is not None:
+                _keep(memo, memo_key, obj, stamped, digest, reuse)
+        return digest
+    stamped = stamp_fn(obj)
     if stamped is None:
         return leaf(obj)
     stamp, trust = stamped
-    if memo_key is None:
-        memo_key = id(obj)
     if memo is not None:
         entry = memo.get(memo_key)
         if entry is not None and entry[0] is obj and entry[1] == stamp:
             return entry[2]
-    reuse = trust == ALWAYS or (reuse and trust == PROMISED)
-    if reuse:
+    if trust == ALWAYS or (reuse and trust == PROMISED):
         seen = _seen.get(memo_key)
         if seen is not None and seen[0]() is obj and seen[1] == stamp:
             if memo is not None:
                 memo[memo_key] = (obj, stamp, seen[2])
             return seen[2]
     digest = leaf(obj)
-    if digest is None:
-        return None
+    if digest is not None:
+        _keep(memo, memo_key, obj, stamped, digest, reuse)
+    return digest
+
+
+def _keep(
+    memo: Memo | None, memo_key: object, obj: object, stamped: Any, digest: Key, reuse: bool
+) -> None:
+    """Keep ``obj``'s digest under its stamp: for this call, and across calls where the
+    object can be trusted not to change."""
+    stamp, trust = stamped
     if memo is not None:
         memo[memo_key] = (obj, stamp, digest)
-    if reuse:
+    if trust == ALWAYS or (reuse and trust == PROMISED):
         _remember(memo_key, obj, stamp, digest)
-    return digest
 
 
 def fingerprint_pass(obj: object, memo: Memo, reuse: bool, strict: bool) -> Key:

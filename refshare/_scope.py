@@ -27,7 +27,7 @@ from ._patch import (
     self_pickling_types,
 )
 from ._session import current_session
-from ._sizing import estimate_size
+from ._sizing import estimate_size, measure
 from ._structure import StampedMemo
 
 logger = logging.getLogger("refshare")
@@ -190,18 +190,24 @@ class Scope:
         """Return a ref for ``value`` if it is large and shareable, else ``value`` itself."""
         if type(value) in _SMALL_TYPES or isinstance(value, ObjectRef):
             return value
-        if estimate_size(value, self.min_bytes) < self.min_bytes:
-            return value
-        if not self.ready():
-            return value  # Ray is not running yet: it starts on this very call
+        nbytes = self.large(value)
+        if nbytes is None or not self.ready():
+            return value  # small, or Ray is not running yet: it starts on this very call
         if self.deep:
             skeleton = self.split(value)
             if skeleton is not None:
                 if skeleton.nbytes < self.min_bytes:
                     return skeleton  # small: inside the task message, as Ray inlines it
                 return self.store_as(skeleton.key, skeleton, skeleton.nbytes, skeleton)
-        # Sized again in full (the first estimate stops at min_bytes) for stats and budget.
-        return self.store(value, estimate_size(value), fallback=value)
+        return self.store(value, nbytes, fallback=value)
+
+    def large(self, value: Any) -> int | None:
+        """The size of ``value`` if it reaches ``min_bytes``, else ``None``."""
+        nbytes, complete = measure(value, self.min_bytes)
+        if nbytes < self.min_bytes:
+            return None
+        # The estimate stopped at min_bytes: sized in full, for stats and the cache's budget.
+        return nbytes if complete else estimate_size(value)
 
     def split(self, value: Any) -> Skeleton | None:
         """``value``'s skeleton, its large members stored by content; ``None`` for a leaf or
@@ -232,13 +238,14 @@ class Scope:
             return None
         if type(value) in _SMALL_TYPES or isinstance(value, ObjectRef):
             return None  # Ray's own error for a ref, unchanged
-        if estimate_size(value, self.min_bytes) < self.min_bytes or not self.ready():
+        nbytes = self.large(value)
+        if nbytes is None or not self.ready():
             return None
         _stats.record_put_call()
         skeleton = self.split(value) if self.deep else None
         if skeleton is not None:
             return self.store_as(skeleton.key, skeleton, skeleton.nbytes, None)
-        return self.store(value, estimate_size(value), fallback=None)
+        return self.store(value, nbytes, fallback=None)
 
     def ready(self) -> bool:
         """Whether Ray is running; binds the cache to its session the first time."""

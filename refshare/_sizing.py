@@ -100,10 +100,11 @@ def _slot_names(cls: type) -> tuple[str, ...]:
 class _Sizing:
     """One walk over an argument's members, with a visit budget and cycle guard."""
 
-    __slots__ = ("budget", "limit", "seen", "total")
+    __slots__ = ("budget", "limit", "seen", "stopped", "total")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
+        self.stopped = False  # stopped at the limit, before the end
         self.total = 0
         self.budget = SIZE_VISIT_BUDGET
         self.seen: set[int] | None = None  # made on the first container
@@ -146,6 +147,7 @@ class _Sizing:
         start = self.total
         for visited, item in enumerate(items):
             if self.total >= self.limit:
+                self.stopped = True
                 return
             if self.budget <= 0 or visited >= sample:
                 self.total += (self.total - start) * (count - visited) // max(visited, 1)
@@ -161,6 +163,12 @@ def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
     lower bound) or after ``SIZE_VISIT_BUDGET`` objects (the rest of the container being
     walked is extrapolated from the members visited).
     """
+    return measure(obj, limit)[0]
+
+
+def measure(obj: object, limit: int = sys.maxsize) -> tuple[int, bool]:
+    """:func:`estimate_size`, and whether the walk went to its end rather than stopping at
+    ``limit``: a value sized in one step (an array, a registered type) is sized in full."""
     sizing = _Sizing(limit)
     try:
         sizing.add(obj)
@@ -168,5 +176,5 @@ def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
         pass  # nested too deeply to walk: what was seen so far is the lower bound
     except Exception:
         logger.debug("could not size %s", type(obj).__qualname__, exc_info=True)
-        return 0
-    return sizing.total
+        return 0, True
+    return sizing.total, not sizing.stopped
