@@ -1,8 +1,9 @@
-"""The first code a worker runs for a deep-shared argument; shipped by value.
+"""The code a worker runs to rebuild what refshare stored; shipped by value.
 
 Ray's cloudpickle sends this module's functions as code, so a worker without refshare
-still runs them, and fails with one line that says what to do instead of a bare
-``ModuleNotFoundError`` from deep inside Ray. Keep it free of imports from refshare.
+still runs them: it rebuilds tensors stored as bytes, and for a deep-shared argument fails
+with one line that says what to do instead of a bare ``ModuleNotFoundError`` from deep
+inside Ray. Keep it free of imports from refshare.
 """
 
 from __future__ import annotations
@@ -23,3 +24,18 @@ def rebuild(*parts: Any) -> Any:
     except ImportError as error:
         raise ImportError(MISSING.format(error)) from None
     return rebuild_skeleton(*parts)
+
+
+def rebuild_tensor(
+    data: Any, dtype: Any, offset: int, size: Any, stride: Any, requires_grad: bool
+) -> Any:
+    """A CPU tensor from its storage's bytes, as torch's own unpickling would give it: on a
+    writable storage of its own, with the same offset, size, stride and requires_grad."""
+    import numpy as np
+    import torch
+
+    source = np.frombuffer(data, dtype=np.uint8)
+    storage = torch.empty(source.size, dtype=torch.uint8)
+    storage.numpy()[:] = source
+    tensor = torch.empty(0, dtype=dtype).set_(storage.untyped_storage(), offset, size, stride)
+    return tensor.requires_grad_() if requires_grad else tensor

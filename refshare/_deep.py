@@ -18,7 +18,7 @@ from typing import Any
 
 import xxhash
 
-from . import _bootstrap
+from . import _bootstrap, _tensors
 from ._dispatch import TypeTable
 from ._fingerprint import _leaf_digests
 from ._hashing import SEED, digest_buffer
@@ -181,20 +181,17 @@ def _fetch(refs: list[Any]) -> list[Any]:
             worker.blocking_get_inside_async_warned = warned
 
 
-_shipped = False
+_announced = False
 
 
 def ship_bootstrap_by_value() -> None:
     """Have Ray's cloudpickle send ``_bootstrap`` as code, and say once what deep sharing
     needs of the workers."""
-    global _shipped
-    if _shipped:
-        return
-    _shipped = True
-    from ray import cloudpickle
-
-    cloudpickle.register_pickle_by_value(_bootstrap)  # type: ignore[no-untyped-call]
-    logger.info(
-        "deep sharing is on: workers rebuild deep-shared arguments with refshare, which "
-        "must be importable where they run (else they fail saying so; deep=False avoids it)"
-    )
+    global _announced
+    _tensors.ship_bootstrap_by_value()
+    if not _announced:
+        _announced = True
+        logger.info(
+            "deep sharing is on: workers rebuild deep-shared arguments with refshare, which "
+            "must be importable where they run (else they fail saying so; deep=False avoids it)"
+        )

@@ -13,7 +13,7 @@ from typing import Any
 
 import xxhash
 
-from . import _serialized
+from . import _serialized, _tensors
 from ._dispatch import TypeTable
 from ._hashing import PARALLEL_MIN_BYTES, SEED, digest_buffer
 from ._sizing import SizeFn, register_size
@@ -197,6 +197,9 @@ class TensorElements:
         return t.detach().contiguous().clone().requires_grad_(t.requires_grad)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
+        form = _tensors.elements_form(self.tensor)
+        if form is not None:
+            return form.__reduce__()  # the elements' bytes, rebuilt as a compact tensor
         return self.compact().__reduce_ex__(protocol)  # sent as that tensor
 
 

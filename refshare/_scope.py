@@ -29,6 +29,7 @@ from ._patch import (
 from ._session import current_session
 from ._sizing import estimate_size, measure
 from ._structure import StampedMemo
+from ._tensors import stored_form
 
 logger = logging.getLogger("refshare")
 
@@ -312,7 +313,7 @@ class Scope:
 
     def put_new(self, key: Key, stored: Any, nbytes: int, fallback: Any) -> Any:
         try:
-            ref = raw_put(stored)
+            ref = raw_put(stored_form(stored))
         except Exception:
             # Ray by value gives the user the error they would get without refshare.
             logger.debug("ray.put failed; sending by value", exc_info=True)

@@ -47,7 +47,9 @@ def describe(value: Any, layout: bool = True) -> Any:
         extra = describe(dict(vars(value)), layout) if vars(value) else None
         bytes_ = plain.reshape(-1).view(torch.uint8).numpy().tobytes()
         if layout:
+            storage = value.untyped_storage()
             content += (value.stride(), value.storage_offset(), value.is_contiguous())
+            content += (storage.nbytes(), value.is_leaf)
         return ("tensor", *content, extra, _digest(bytes_))
     if isinstance(value, np.ndarray):
         content = (name, value.dtype.str, value.shape)
@@ -264,6 +266,53 @@ def test_non_contiguous_tensors(probes: list[Any]) -> None:
     views = [base, base.T, base[:, ::2], base[::2], base[1:], base.T.contiguous()]
     assert received(probes, base.T)[7] is False  # not contiguous: Ray keeps the strides
     check(probes, *views, base[::2], puts=len(views), hits=len(views) * 2 + 3)
+
+
+@ray.remote(num_cpus=0.1)
+class ProbeWithoutRefshare:
+    """A probe in a process where refshare cannot be imported."""
+
+    def __init__(self) -> None:
+        for name in [m for m in sys.modules if m == "refshare" or m.startswith("refshare.")]:
+            sys.modules[name] = None  # type: ignore[assignment]
+
+    def describe(self, value: Any) -> Any:
+        return describe(value)
+
+
+def test_tensors_reach_a_worker_without_refshare() -> None:
+    """refshare stores a tensor as its storage's bytes; the code that rebuilds it travels
+    with it, so a worker without refshare gets what Ray by value gives it."""
+    torch = pytest.importorskip("torch")
+    probe = ProbeWithoutRefshare.remote()
+    base = torch.randn(512, 1024)
+    tensors = [base, base[128:256], base.T, base.to(torch.bfloat16), torch.ones(256, 512)]
+    tensors.append(torch.randn(256, 512, requires_grad=True))
+
+    @refshare.shared_args
+    def shared() -> list[Any]:
+        return ray.get([probe.describe.remote(t) for t in tensors])
+
+    assert shared() == ray.get([probe.describe.remote(t) for t in tensors])
+    assert refshare.stats().puts == len(tensors)
+    ray.kill(probe)
+
+
+def test_a_serializer_registered_with_ray_for_tensors_is_used(probes: list[Any]) -> None:
+    torch = pytest.importorskip("torch")
+    calls: list[int] = []
+
+    def serialize(t: Any) -> Any:
+        calls.append(1)
+        return t.numpy().copy()
+
+    ray.util.register_serializer(torch.Tensor, serializer=serialize, deserializer=torch.from_numpy)
+    try:
+        weights = torch.randn(512, 1024)
+        check(probes, weights, puts=1, hits=N_PROBES - 1)
+        assert len(calls) == 1 + N_PROBES  # one put, then by value to every probe
+    finally:
+        ray.util.deregister_serializer(torch.Tensor)
 
 
 def test_a_tensor_changed_in_place_between_calls_is_sent_anew(probes: list[Any]) -> None:
