@@ -177,6 +177,32 @@ def test_a_grown_batch_stores_only_its_new_members(readers: list[Any]) -> None:
     assert refshare.stats().puts == 0
 
 
+def test_each_member_is_serialized_once_and_a_grown_batch_only_its_new_one(
+    readers: list[Any],
+) -> None:
+    """Counted with a serializer registered with Ray for tensors, which refshare then
+    leaves Ray to call: once per distinct member, whatever the number of workers."""
+    torch = pytest.importorskip("torch")
+    serialized: list[tuple[int, ...]] = []
+
+    def serialize(t: Any) -> Any:
+        serialized.append(tuple(t.shape))
+        return t.numpy().copy()
+
+    ray.util.register_serializer(torch.Tensor, serializer=serialize, deserializer=torch.from_numpy)
+    try:
+        batch = {"input_ids": torch.ones(256, 512), "mask": torch.zeros(512, 256), "step": 1}
+        assert deep_fan_out(readers, batch) == fan_out(readers, batch)
+        # Once each for deep sharing, then once each per worker by value:
+        assert serialized == [(256, 512), (512, 256)] + [(256, 512), (512, 256)] * N
+        serialized.clear()
+        grown = dict(batch, old_log_probs=torch.full((128, 1024), 3.0))
+        deep_fan_out(readers, grown)
+        assert serialized == [(128, 1024)]
+    finally:
+        ray.util.deregister_serializer(torch.Tensor)
+
+
 def test_a_member_changed_within_one_call_is_sent_anew(readers: list[Any]) -> None:
     batch = {"x": member(1.0), "y": member(2.0)}
 
