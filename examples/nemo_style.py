@@ -229,7 +229,7 @@ def run_steps(group: RayWorkerGroup, steps: list[dict[str, np.ndarray]]) -> tupl
 
 
 def main() -> None:
-    ray.init(num_cpus=2, object_store_memory=256 << 20, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, include_dashboard=False)
     try:
         rng = np.random.default_rng(0)
         layout = np.arange(4).reshape(1, -1, 1, 2)  # pp=1, dp=2, cp=1, tp=2, as lm_policy.py

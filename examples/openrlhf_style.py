@@ -204,7 +204,7 @@ def run_steps(groups: list[RayActorGroup], steps: list[Any]) -> tuple[list[Any],
 
 
 def main() -> None:
-    ray.init(num_cpus=2, object_store_memory=256 << 20, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, include_dashboard=False)
     try:
         rng = np.random.default_rng(0)
         sizes = {"reward": 1, "actor": 2, "critic": 2, "reference": 2}

@@ -50,7 +50,7 @@ def warm_up(group: WorkerGroup, batch: np.ndarray) -> None:
 
 
 def main() -> None:
-    ray.init(num_cpus=2, object_store_memory=512 * MiB, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=512 * MiB, include_dashboard=False)
     try:
         group = WorkerGroup(size=4)
         batch = np.random.default_rng(0).random(64 * MiB // 8)  # 64 MiB of float64

@@ -214,7 +214,7 @@ def run_steps(groups: dict[str, PPORayActorGroup], steps: list[Any]) -> tuple[An
 
 
 def main() -> None:
-    ray.init(num_cpus=2, object_store_memory=256 << 20, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, include_dashboard=False)
     try:
         rng = np.random.default_rng(0)
         groups = {

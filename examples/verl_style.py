@@ -222,7 +222,7 @@ def run_steps(v: Any, workers: list[Any], steps: list[Any]) -> tuple[list[Any], 
 
 
 def main() -> None:
-    ray.init(num_cpus=2, object_store_memory=256 << 20, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, include_dashboard=False)
     try:
         rng = np.random.default_rng(0)
         workers = [Worker.remote() for _ in MAPPING]

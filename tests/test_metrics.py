@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=port)
     refshare.enable_metrics()
 
