@@ -36,9 +36,10 @@ MemoEntry = tuple[object, object, Key]
 #: Keyed by ``id(obj)``, or by a tuple naming what was hashed (a tensor's own elements, a
 #: storage several views share).
 Memo = dict[object, MemoEntry]
-#: A key, the pickle it was taken from (if the value was pickled to be keyed), and whether
-#: keying it ran the value's own pickling code.
-Identified = tuple[Key, "_serialized.Serialized | None", bool]
+#: A key, the pickle it was taken from (if the value was pickled to be keyed), whether
+#: keying it ran the value's own pickling code, and whether torch's pickling would send
+#: tensors inside it (worth pickling it with refshare's own pickler, see ``_tensors``).
+Identified = tuple[Key, "_serialized.Serialized | None", bool, bool]
 
 
 class Unfingerprintable(Exception):
@@ -528,6 +529,7 @@ class _FingerprintPickler(pickle.Pickler):
         self.digests = memo
         self.reuse = reuse
         self.strict = strict
+        self.tensors = False  # whether a tensor was hashed as torch's pickling sends it
         super().__init__(self.stream, protocol=5, buffer_callback=self._hash_buffer)
 
     def _hash_buffer(self, buffer: pickle.PickleBuffer) -> None:
@@ -541,6 +543,7 @@ class _FingerprintPickler(pickle.Pickler):
         if leaf is not None:
             digest = leaf(obj, self.digests, self.reuse)
             if digest is not None:
+                self.tensors = self.tensors or leaf is _tensor_digest
                 return _from_digest, (digest,)
             if self.strict and getattr(obj, "size", 0) > SERIALIZE_OBJECT_ARRAYS_FROM:
                 raise NeedsSerializing("a large array of Python objects")
@@ -646,8 +649,9 @@ def _keep(
         _remember(memo_key, obj, stamp, digest)
 
 
-def fingerprint_pass(obj: object, memo: Memo, reuse: bool, strict: bool) -> Key:
-    """The fingerprint of ``obj`` without serializing it; raises what the pass raised.
+def fingerprint_pass(obj: object, memo: Memo, reuse: bool, strict: bool) -> tuple[Key, bool]:
+    """The fingerprint of ``obj`` without serializing it, and whether it holds tensors
+    (other than itself); raises what the pass raised.
 
     With ``strict``, raises ``NeedsSerializing`` or ``Unfingerprintable`` for values that
     only a real serialization can key (see :func:`identify`)."""
@@ -655,17 +659,18 @@ def fingerprint_pass(obj: object, memo: Memo, reuse: bool, strict: bool) -> Key:
     if leaf is not None:
         digest = leaf(obj, memo, reuse)
         if digest is not None:
-            return digest
+            return digest, False
     pickler = _FingerprintPickler(memo, reuse, strict)
     pickler.dump(obj)
-    return pickler.key()
+    return pickler.key(), pickler.tensors
 
 
 def identify(obj: object, memo: Memo | None = None, reuse: bool = False) -> Identified | None:
     """Key ``obj``, serializing it at most once; ``None`` when it must go by value.
 
-    Returns the key, the pickle it was taken from (or ``None``), and whether keying it ran
-    pickling code of the value's own (so it is worth not keying it again within a call).
+    Returns the key, the pickle it was taken from (or ``None``), whether keying it ran
+    pickling code of the value's own (so it is worth not keying it again within a call),
+    and whether it holds tensors that torch's pickling would send.
 
     Values made of arrays, tensors, containers, plain objects and known batch types are
     keyed without serializing them. A value whose pickling runs code of its own, or holds
@@ -680,16 +685,17 @@ def identify(obj: object, memo: Memo | None = None, reuse: bool = False) -> Iden
     name = type(obj).__qualname__
     try:
         try:
-            return fingerprint_pass(obj, memo, reuse, strict=True), None, False
+            key, tensors = fingerprint_pass(obj, memo, reuse, strict=True)
+            return key, None, False, tensors
         except (NeedsSerializing, Unfingerprintable) as why:
             logger.debug("%s is keyed by its pickle (%s)", name, why)
         if _serialized.available():
             try:
                 serialized = _serialized.serialize(obj)
-                return serialized.key, serialized, True
+                return serialized.key, serialized, True, False
             except _serialized.HoldsRayHandles:
                 pass
-        return fingerprint_pass(obj, memo, reuse, strict=False), None, True
+        return fingerprint_pass(obj, memo, reuse, strict=False)[0], None, True, False
     except RecursionError:
         logger.debug("%s is nested too deeply to fingerprint", name)
     except Exception:

@@ -14,7 +14,7 @@ import ray
 import wrapt
 from ray import ObjectRef
 
-from . import _stats
+from . import _serialized, _stats
 from ._cache import RefCache
 from ._deep import Skeleton, ship_bootstrap_by_value, split
 from ._fingerprint import Key, Memo, _leaf_digests, identify
@@ -29,7 +29,7 @@ from ._patch import (
 from ._session import current_session
 from ._sizing import estimate_size, measure
 from ._structure import StampedMemo
-from ._tensors import stored_form
+from ._tensors import tensor_form
 
 logger = logging.getLogger("refshare")
 
@@ -270,12 +270,14 @@ class Scope:
         found = identify(value, self.memo, self.reuse)
         if found is None:
             return None
-        key, serialized, costly = found
+        key, serialized, costly, tensors = found
         if serialized is not None:
             nbytes = serialized.nbytes
         if costly:
             self.pickled.keep(value, (key, nbytes))
-        return key, value if serialized is None else serialized, nbytes
+        if serialized is None:
+            return key, PickleOnPut(value) if tensors else value, nbytes
+        return key, serialized, nbytes
 
     def store(self, value: Any, nbytes: int, fallback: Any) -> Any:
         """The ref for ``value``'s content: found in the scope or cache, or put now."""
@@ -326,6 +328,32 @@ class Scope:
             ref = self.cache.setdefault(key, ref, nbytes)
         self.local[key] = ref
         return ref
+
+
+class PickleOnPut:
+    """A value holding tensors, keyed without serializing it: on a miss refshare pickles it
+    with Ray's pickler and its tensors as their bytes (see ``_tensors``), one copy of them
+    instead of the three torch's pickling makes."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def stored_form(stored: Any) -> Any:
+    """What ``ray.put`` stores for ``stored``: a plain CPU tensor as its storage's bytes, a
+    value holding tensors as refshare's own pickle of it, anything else as it is."""
+    if isinstance(stored, PickleOnPut):
+        if not _serialized.available():
+            return stored.value
+        try:
+            return _serialized.serialize(stored.value)
+        except Exception:
+            logger.debug("cannot pickle %s itself", type(stored.value).__qualname__, exc_info=True)
+            return stored.value  # refs inside, say: Ray's own serialization
+    tensor = tensor_form(stored)
+    return stored if tensor is None else tensor
 
 
 _warned_client = False

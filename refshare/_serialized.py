@@ -5,7 +5,11 @@ costs as much to fingerprint through pickling as to send. For such values refsha
 once with Ray's own pickler (so Ray's registered serializers apply), hashes the in-band
 bytes and out-of-band buffers where they lie, and on a miss puts that very pickle: Ray
 stores it as two buffers, and the worker's unpickling of the argument rebuilds the value
-with ``pickle.loads``, so what the worker receives is what Ray by value gives it.
+with ``pickle.loads``, so what the worker receives is what Ray by value gives it. Plain CPU
+tensors inside go as their bytes (see ``_tensors``), so the pickle costs one copy of them.
+
+A container holding tensors, keyed without serializing it, is pickled this way on a miss
+too (see ``Scope.put_new``): it is then one copy of its tensors instead of torch's three.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import xxhash
 
 from ._hashing import SEED, digest_buffer
+from ._tensors import tensor_form
 
 logger = logging.getLogger("refshare")
 
@@ -74,6 +79,9 @@ def _make_pickler_class() -> tuple[type[pickle.Pickler], tuple[type, ...]]:
         def reducer_override(self, obj: Any) -> Any:
             if isinstance(obj, refused):
                 raise HoldsRayHandles(type(obj).__qualname__)
+            tensor = tensor_form(obj)
+            if tensor is not None:
+                return tensor.__reduce__()  # its bytes, out of band
             return super().reducer_override(obj)
 
     return RayPickler, refused

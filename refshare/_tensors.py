@@ -8,9 +8,10 @@ the worker rebuilds the tensor with :func:`refshare._bootstrap.rebuild_tensor`, 
 sends as code. The worker gets what torch's unpickling gives it: a tensor on a writable
 storage of its own, of the same layout.
 
-Used only where Ray would use torch's pickling: a plain CPU tensor, when no serializer for
+Used only where Ray would use torch's pickling: a plain CPU tensor, put on its own or inside
+a value refshare pickles itself (see ``_serialized``), when no serializer for
 ``torch.Tensor`` is registered with Ray (``ray.util.register_serializer``,
-``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``). Anything else is put as it is.
+``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``).
 """
 
 from __future__ import annotations
@@ -71,10 +72,10 @@ def _plain(t: Any) -> bool:
     )
 
 
-def stored_form(value: Any) -> Any:
-    """What to put for ``value``: a plain CPU tensor as its storage's bytes, else itself."""
+def tensor_form(value: Any) -> TensorBytes | None:
+    """A plain CPU tensor as its storage's bytes; ``None`` for anything else."""
     if not _plain(value):
-        return value
+        return None
     from ._fingerprint import _storage_bytes
 
     ship_bootstrap_by_value()

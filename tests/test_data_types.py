@@ -277,24 +277,36 @@ class ProbeWithoutRefshare:
             sys.modules[name] = None  # type: ignore[assignment]
 
     def describe(self, value: Any) -> Any:
-        return describe(value)
+        aliased = isinstance(value, dict) and value.get("a") is value.get("alias")
+        return describe(value), aliased
 
 
-def test_tensors_reach_a_worker_without_refshare() -> None:
-    """refshare stores a tensor as its storage's bytes; the code that rebuilds it travels
-    with it, so a worker without refshare gets what Ray by value gives it."""
+def test_tensors_reach_a_worker_without_refshare(monkeypatch: pytest.MonkeyPatch) -> None:
+    """refshare stores a tensor as its storage's bytes, alone or inside a value it pickles
+    itself; the code that rebuilds it travels with it, so a worker without refshare gets
+    what Ray by value gives it."""
     torch = pytest.importorskip("torch")
     probe = ProbeWithoutRefshare.remote()
     base = torch.randn(512, 1024)
-    tensors = [base, base[128:256], base.T, base.to(torch.bfloat16), torch.ones(256, 512)]
-    tensors.append(torch.randn(256, 512, requires_grad=True))
+    values = [base, base[128:256], base.T, base.to(torch.bfloat16), torch.ones(256, 512)]
+    values.append(torch.randn(256, 512, requires_grad=True))
+    values.append({"a": base, "alias": base, "rows": base[1:], "ids": np.arange(10), "n": 3})
+    values.append(BatchedDataDict(torch_batch()))
 
     @refshare.shared_args
     def shared() -> list[Any]:
-        return ray.get([probe.describe.remote(t) for t in tensors])
+        return ray.get([probe.describe.remote(v) for v in values])
 
-    assert shared() == ray.get([probe.describe.remote(t) for t in tensors])
-    assert refshare.stats().puts == len(tensors)
+    storages = torch.storage.TypedStorage
+    saved: list[int] = []  # storages torch's pickling saves, in this process
+    reduce = storages.__reduce__
+    monkeypatch.setattr(storages, "__reduce__", lambda s: saved.append(1) or reduce(s))
+    received = shared()
+    assert saved == []  # every tensor went as its bytes, none through torch.save
+    assert received == ray.get([probe.describe.remote(v) for v in values])
+    assert len(saved) >= len(values)
+    assert received[6][1] is True  # one tensor under two keys arrives as one, as by value
+    assert refshare.stats().puts == len(values)
     ray.kill(probe)
 
 
@@ -399,7 +411,7 @@ NO_TORCH_SCRIPT = textwrap.dedent(
     import refshare
 
     assert "torch" not in sys.modules, "import refshare"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 
     @ray.remote(num_cpus=0.1)
     def total(batch):

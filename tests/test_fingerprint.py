@@ -226,7 +226,7 @@ def test_a_large_object_array_is_keyed_by_the_pickle_ray_sends() -> None:
     from refshare._fingerprint import SERIALIZE_OBJECT_ARRAYS_FROM, identify
 
     uids = np.array([f"uid-{i}" for i in range(SERIALIZE_OBJECT_ARRAYS_FROM + 1)], dtype=object)
-    key, pickled, _ = identify(uids) or (None, None, None)
+    key, pickled, _, _ = identify(uids) or (None, None, None, None)
     assert pickled is not None and key == pickled.key  # one pickle: keyed, then stored
     assert key == fingerprint(uids.copy()) and key != fingerprint(uids[::-1].copy())
     few = np.array(["a", "b"], dtype=object)  # small, inside a batch: keyed by a pass
