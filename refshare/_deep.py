@@ -10,6 +10,7 @@ unpickles the rest around them: the worker's code receives what it receives by v
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import pickle
@@ -81,7 +82,6 @@ class _Splitter:
 
     def __init__(self, store: StoreFn, min_bytes: int) -> None:
         import ray
-        from ray import cloudpickle
 
         self.store = store
         self.min_bytes = min_bytes
@@ -89,19 +89,6 @@ class _Splitter:
         self.members: list[Any] = []
         self.handles: list[Any] = []
         self.seen: dict[int, tuple[object, Any]] = {}
-        splitter = self
-
-        class Pickler(cloudpickle.CloudPickler):
-            def persistent_id(self, obj: Any) -> Any:
-                return splitter.persistent_id(obj)
-
-            def reducer_override(self, obj: Any) -> Any:
-                reduce = deep_reducers.lookup(type(obj))
-                if reduce is not None:
-                    return reduce(obj)
-                return super().reducer_override(obj)  # type: ignore[no-untyped-call]
-
-        self.pickler_class = Pickler
 
     def persistent_id(self, obj: Any) -> Any:
         cls = type(obj)
@@ -134,11 +121,36 @@ class _Splitter:
     def split(self, value: Any) -> Skeleton | None:
         stream = io.BytesIO()
         buffers: list[pickle.PickleBuffer] = []
-        pickler: Any = self.pickler_class(stream, protocol=5, buffer_callback=buffers.append)  # type: ignore[no-untyped-call]
+        pickler = _pickler_class()(stream, protocol=5, buffer_callback=buffers.append)
+        pickler.splitter = self
         pickler.dump(value)
         if not self.members:
             return None
         return Skeleton(stream.getvalue(), buffers, self.members, self.handles)
+
+
+@functools.cache
+def _pickler_class() -> Any:
+    """Ray's cloudpickle pickler, asking a ``_Splitter`` which objects to take out.
+
+    One class for every split, holding no splitter: a class made per split would form a
+    cycle with it, and keep its members' refs (and their store memory) alive until Python's
+    cycle collector ran."""
+    from ray import cloudpickle
+
+    class SplitPickler(cloudpickle.CloudPickler):
+        splitter: _Splitter
+
+        def persistent_id(self, obj: Any) -> Any:
+            return self.splitter.persistent_id(obj)
+
+        def reducer_override(self, obj: Any) -> Any:
+            reduce = deep_reducers.lookup(type(obj))
+            if reduce is not None:
+                return reduce(obj)
+            return super().reducer_override(obj)  # type: ignore[no-untyped-call]
+
+    return SplitPickler
 
 
 def split(value: Any, store: StoreFn, min_bytes: int) -> Skeleton | None:
