@@ -1,6 +1,7 @@
-"""What every benchmark here shares: a small local Ray, a warmed store, interleaving, medians,
-the record of the machine and revision, writing Markdown and JSON, and for the RL-step
-replays: refshare on per strategy, each call timed, bytes stored per step, the goals."""
+"""What every benchmark here shares: a small local Ray, a warmed store, the store's usage
+sampled while tasks run, interleaving, medians, size labels, the record of the machine and
+revision, writing Markdown, JSON and plots, and for the RL-step replays: refshare on per
+strategy, each call timed, bytes stored per step, the goals."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import ray
@@ -32,6 +34,8 @@ TIMES = "\u00d7"  # multiplication sign
 DASH = "\u2013"  # en dash
 TIMES_LE = "\u2264"  # less-than or equal
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+S = TypeVar("S")
 
 
 def log(message: str) -> None:
@@ -67,6 +71,60 @@ def warm_store(workers: Sequence[Any], store_bytes: int) -> float:
     return time.perf_counter() - start
 
 
+def sample_during(
+    action: Callable[[], T], sample: Callable[[], S], interval: float = 0.02
+) -> tuple[T, list[S]]:
+    """Run ``action`` while a thread calls ``sample`` every ``interval`` seconds; return its
+    result and every sample, including one before and one after."""
+    samples = [sample()]
+    done = threading.Event()
+
+    def sampler() -> None:
+        while not done.wait(interval):
+            samples.append(sample())
+
+    thread = threading.Thread(target=sampler, daemon=True)
+    thread.start()
+    try:
+        result = action()
+    finally:
+        done.set()
+        thread.join()
+    samples.append(sample())
+    return result, samples
+
+
+class StoreMonitor:
+    """Reads the object store's usage from the cluster's available resources.
+
+    The raylet reports usage about every 100 ms, so readings lag by that much.
+    """
+
+    def __init__(self) -> None:
+        resources = ray.cluster_resources()  # type: ignore[no-untyped-call]
+        self.capacity = float(resources["object_store_memory"])
+
+    def used(self) -> float:
+        available = ray.available_resources()  # type: ignore[no-untyped-call]
+        return self.capacity - float(available.get("object_store_memory", 0.0))
+
+    def settled(self, seconds: float) -> float:
+        """Usage after ``seconds`` of quiet (frees and reports take that long to land)."""
+        time.sleep(seconds)
+        return self.used()
+
+    def wait_until_idle(self, fraction: float = 0.05, timeout: float = 15.0) -> float:
+        """Wait until at most ``fraction`` of the store is in use; return the seconds waited."""
+        start = time.perf_counter()
+        while self.used() > fraction * self.capacity and time.perf_counter() - start < timeout:
+            time.sleep(0.1)
+        return time.perf_counter() - start
+
+    def peak_during(self, action: Callable[[], Any], interval: float = 0.02) -> float:
+        """The highest usage seen while ``action`` runs."""
+        return max(sample_during(action, self.used, interval)[1])
+
+
 def stop_group(group: Any) -> None:
     """Kill a worker group's actors (``group.workers``) and free the placement groups of its
     ``group.resource_pool``, if it has one (verl's groups do)."""
@@ -89,6 +147,14 @@ def rotated(names: Sequence[str], rep: int) -> list[str]:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
+
+
+def size_label(nbytes: int) -> str:
+    """``10 KiB``, ``64 MiB``: the payload sizes as the tables show them."""
+    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
+        if nbytes >= unit:
+            return f"{nbytes / unit:g} {name}"
+    return f"{nbytes} B"
 
 
 def ms(seconds: float) -> str:
@@ -175,6 +241,23 @@ def machine_lines(meta: dict[str, Any]) -> list[str]:
         "",
         f"Revision: `{meta['git']['head'] or 'unknown'}`; uncommitted changes: {changed}.",
     ]
+
+
+def cannot_plot(name: str) -> str | None:
+    """Why plot ``name`` cannot be drawn here (matplotlib is optional), or ``None``."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return f"{name}: matplotlib is not installed (pip install .[bench])"
+    return None
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend: plots go to files, no display needed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def write_results(out: Path, stem: str, results: dict[str, Any], markdown: str) -> None:

@@ -37,7 +37,6 @@ import importlib.util
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -48,12 +47,22 @@ import _harness as bench
 import numpy as np
 import ray
 import xxhash
-from _harness import DASH, TIMES, MiB, log, median, ms, rotated, table
+from _harness import (
+    DASH,
+    TIMES,
+    GiB,
+    KiB,
+    MiB,
+    StoreMonitor,
+    log,
+    median,
+    ms,
+    rotated,
+    size_label,
+    table,
+)
 
 import refshare
-
-KiB = 1 << 10
-GiB = 1 << 30
 
 #: Strategies in table order, with their display labels.
 STRATEGIES: dict[str, str] = {
@@ -170,14 +179,6 @@ MODES: dict[str, Config] = {
         small_reps=10,
     ),
 }
-
-
-def size_label(nbytes: int) -> str:
-    """``10 KiB``, ``64 MiB``: the payload sizes as the tables show them."""
-    for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
-        if nbytes >= unit:
-            return f"{nbytes / unit:g} {name}"
-    return f"{nbytes} B"
 
 
 # -- payloads -------------------------------------------------------------------------------
@@ -450,52 +451,6 @@ def measure_cold(case: Case) -> dict[str, float]:
 
 
 # -- object store ---------------------------------------------------------------------------
-
-
-class StoreMonitor:
-    """Reads the object store's usage from the cluster's available resources.
-
-    The raylet reports usage about every 100 ms, so readings lag by that much.
-    """
-
-    def __init__(self) -> None:
-        resources = ray.cluster_resources()  # type: ignore[no-untyped-call]
-        self.capacity = float(resources["object_store_memory"])
-
-    def used(self) -> float:
-        available = ray.available_resources()  # type: ignore[no-untyped-call]
-        return self.capacity - float(available.get("object_store_memory", 0.0))
-
-    def settled(self, seconds: float) -> float:
-        """Usage after ``seconds`` of quiet (frees and reports take that long to land)."""
-        time.sleep(seconds)
-        return self.used()
-
-    def wait_until_idle(self, fraction: float = 0.05, timeout: float = 15.0) -> float:
-        """Wait until at most ``fraction`` of the store is in use; return the seconds waited."""
-        start = time.perf_counter()
-        while self.used() > fraction * self.capacity and time.perf_counter() - start < timeout:
-            time.sleep(0.1)
-        return time.perf_counter() - start
-
-    def peak_during(self, action: Callable[[], Any], interval: float = 0.02) -> float:
-        """The highest usage seen while ``action`` runs."""
-        peak = self.used()
-        done = threading.Event()
-
-        def sample() -> None:
-            nonlocal peak
-            while not done.wait(interval):
-                peak = max(peak, self.used())
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        try:
-            action()
-        finally:
-            done.set()
-            sampler.join()
-        return max(peak, self.used())
 
 
 def measure_in_flight(case: Case, monitor: StoreMonitor, hold_s: float) -> dict[str, float]:
@@ -1001,11 +956,7 @@ def notes() -> list[str]:
 
 def plot(results: dict[str, Any], path: Path) -> None:
     """fanout.png: log-log time against size, one line per strategy, one panel per N."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = bench.pyplot()
     workers = results["config"]["workers"]
     cols = min(2, len(workers))
     rows = -(-len(workers) // cols)
@@ -1066,13 +1017,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def write_results(results: dict[str, Any], out: Path) -> None:
     summary = summarize(results)
     results["summary"] = summary
-    can_plot = importlib.util.find_spec("matplotlib") is not None
-    if not can_plot:
-        results["skipped"].append("fanout.png: matplotlib is not installed (pip install .[bench])")
+    cannot_plot = bench.cannot_plot("fanout.png")
+    if cannot_plot:
+        results["skipped"].append(cannot_plot)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fanout.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "fanout.md").write_text(report(results, summary))
-    if can_plot:
+    if not cannot_plot:
         plot(results, out / "fanout.png")
 
 

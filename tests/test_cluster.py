@@ -1,8 +1,11 @@
-"""Two nodes on one machine: refs put by the driver reach actors on either node."""
+"""Two nodes on one machine: refs put by the driver reach actors on either node, and the bytes
+copied between the nodes are what refshare promises, counted by each raylet."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +16,11 @@ from helpers import Payload, Worker, count_payload_serializations
 from ray.cluster_utils import Cluster
 
 import refshare
+
+# The cluster benchmark's byte counting (Ray and the standard library only), so that this test
+# checks the very code the benchmark measures with.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _cluster_counters as counters
 
 
 @pytest.fixture(scope="module")
@@ -69,5 +77,57 @@ def test_deep_sharing_across_two_nodes(two_nodes: Cluster) -> None:
     grown = dict(batch, old_log_probs=np.zeros(1 << 17))
     assert broadcast(grown) == ray.get([w.receive.remote(grown) for w in group])
     assert refshare.stats().puts == 3  # two members, then only the new one
+    for w in group:
+        ray.kill(w)
+
+
+@pytest.mark.usefixtures("fresh")
+def test_bytes_copied_between_nodes(two_nodes: Cluster) -> None:
+    """Both nodes hold workers, one of them also the driver. By value each worker on the
+    other node pulls its own copy ((workers on other nodes) x size); refshare's first sight
+    copies once to the other node ((nodes holding a worker - 1) x size); a repeat copies
+    nothing. The raylets' counters say so, to the byte, and object locations agree."""
+    reason = counters.supported()
+    if reason is not None:
+        pytest.skip(reason)
+    group = [
+        Worker.options(resources={node: 0.1}).remote() for node in ("head", "second", "second")
+    ]
+    node_of = ray.get(  # also waits for every actor to start (a start stores 8 bytes)
+        [w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for w in group]
+    )
+    nodes, driver = counters.cluster_nodes(), counters.driver_node_id()
+    assert len(nodes) == 2 and nodes[0].node_id == driver and len(set(node_of)) == 2
+    remote_workers = sum(node != driver for node in node_of)  # 2 if the driver is on the head
+    value = np.random.default_rng(7).random(1 << 19)  # 4 MiB
+    size_ref = ray.put(value)
+    size = counters.locations([size_ref])[size_ref][1]
+    assert value.nbytes < size < value.nbytes + 4096  # data and Ray's metadata
+    del size_ref
+
+    @refshare.shared_args
+    def broadcast(x: np.ndarray) -> list[Any]:
+        return ray.get([w.receive.remote(x) for w in group])
+
+    by_value, created = counters.counted(
+        nodes, lambda: ray.get([w.receive.remote(value) for w in group])
+    )
+    assert created[driver] == 3 * size  # Ray stores the argument once per .remote()
+    assert counters.between_nodes(created, driver) == remote_workers * size
+
+    refshare.clear()
+    received, created = counters.counted(nodes, lambda: broadcast(value))
+    assert received == by_value
+    assert created[driver] == size
+    assert counters.between_nodes(created, driver) == size
+    ref = refshare.share(value)  # found in the cache: puts nothing
+    assert refshare.stats().puts == 1
+    assert counters.copied_settled([ref], {}, driver) == size
+
+    before = counters.locations([ref])
+    received, created = counters.counted(nodes, lambda: broadcast(value))
+    assert received == by_value
+    assert created == {node.node_id: 0 for node in nodes}
+    assert counters.copied_settled([ref], before, driver) == 0
     for w in group:
         ray.kill(w)
