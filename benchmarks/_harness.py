@@ -172,15 +172,27 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return lines
 
 
-def step_parser(doc: str, results: Path) -> argparse.ArgumentParser:
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def parser(doc: str, modes: dict[str, str]) -> argparse.ArgumentParser:
+    """A benchmark's options: one of its ``modes`` (``--quick``, ``--smoke``, ...: flag name
+    to help) at most, and ``--out``."""
+    found = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    group = found.add_mutually_exclusive_group()
+    for name, help_text in modes.items():
+        group.add_argument(f"--{name}", action="store_true", help=help_text)
+    found.add_argument(
+        "--out", type=Path, default=RESULTS, help="where the results go (benchmarks/results)"
+    )
+    return found
+
+
+def step_parser(doc: str) -> argparse.ArgumentParser:
     """The options every step replay takes: its mode, how many steps, where to write."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="9 timed steps")
-    mode.add_argument("--smoke", action="store_true", help="tiny batch, 2 timed steps")
-    parser.add_argument("--steps", type=int, help="timed steps (default: by mode)")
-    parser.add_argument("--out", type=Path, default=results)
-    return parser
+    found = parser(doc, {"quick": "9 timed steps", "smoke": "tiny batch, 2 timed steps"})
+    found.add_argument("--steps", type=int, help="timed steps (default: by mode)")
+    return found
 
 
 def git_state() -> dict[str, str]:

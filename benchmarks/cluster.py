@@ -37,7 +37,6 @@ only: every node shares one machine). Results go to ``cluster.md``, ``cluster.js
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import socket
@@ -353,12 +352,30 @@ def strategy_call(workers: Sequence[Any], values: Sequence[Any], strategy: str) 
 # -- workload (a): broadcast --------------------------------------------------------------------
 
 
+def rounds(
+    what: str,
+    strategies: Sequence[str],
+    config: Config,
+    turn: Callable[[str], T],
+    line: Callable[[T], str],
+) -> dict[str, list[T]]:
+    """An untimed round (unless ``config.warm_up`` is off), then ``config.reps`` rounds of
+    every strategy, each round led by the next one; each logged in a line."""
+    for strategy in strategies if config.warm_up else ():
+        turn(strategy)
+    records: dict[str, list[T]] = {s: [] for s in strategies}
+    for rep in range(config.reps):
+        for strategy in rotated(strategies, rep):
+            records[strategy].append(turn(strategy))
+        log(f"{what} rep {rep}: " + ", ".join(f"{s} {line(records[s][-1])}" for s in strategies))
+    return records
+
+
 def run_broadcast(setup: Setup, config: Config) -> dict[str, Any]:
     """The broadcast, every strategy ``config.reps`` times interleaved, then once held."""
     x = np.random.default_rng(1).random(config.broadcast_bytes // 8)
     values = [x] * len(setup.workers)
     expected = {full: [receipt(x, full)] * len(values) for full in (False, True)}
-    records: dict[str, list[Record]] = {s: [] for s in BROADCAST_STRATEGIES}
 
     def turn(strategy: str, hold_s: float = 0.0, full: bool = False) -> tuple[Record, Peak]:
         """One call from rest (after a warm-up call for refshare repeat); with ``full``,
@@ -375,18 +392,13 @@ def run_broadcast(setup: Setup, config: Config) -> dict[str, Any]:
 
         return held(setup, one) if full else (one(), None)
 
-    for strategy in BROADCAST_STRATEGIES if config.warm_up else ():  # an untimed round
-        turn(strategy)
-    for rep in range(config.reps):
-        for strategy in rotated(BROADCAST_STRATEGIES, rep):
-            records[strategy].append(turn(strategy)[0])
-        log(
-            f"broadcast rep {rep}: "
-            + ", ".join(
-                f"{s} {records[s][-1].moved / MiB:.1f} MiB {ms(records[s][-1].seconds)} ms"
-                for s in BROADCAST_STRATEGIES
-            )
-        )
+    records = rounds(
+        "broadcast",
+        BROADCAST_STRATEGIES,
+        config,
+        lambda s: turn(s)[0],
+        lambda r: f"{r.moved / MiB:.1f} MiB {ms(r.seconds)} ms",
+    )
     holds = {s: turn(s, config.hold_s, full=True) for s in BROADCAST_STRATEGIES}
     reset(setup)
     size_ref = ray.put(x)
@@ -447,7 +459,6 @@ def run_batch(setup: Setup, config: Config) -> dict[str, Any]:
         full: [[receipt(c, full) for c in chunks(b, n)] for b in batches] for full in (False, True)
     }
     names = [name for name, _ in CALLS]
-    records: dict[str, list[Steps]] = {s: [] for s in BATCH_STRATEGIES}
 
     def step(strategy: str, hold_s: float = 0.0, full: bool = False) -> tuple[Steps, Peak]:
         """One step from rest (after a warm-up step for refshare repeat); with ``full``,
@@ -469,18 +480,13 @@ def run_batch(setup: Setup, config: Config) -> dict[str, Any]:
 
         return held(setup, calls) if full else (calls(), None)
 
-    for strategy in BATCH_STRATEGIES if config.warm_up else ():  # an untimed round
-        step(strategy)
-    for rep in range(config.reps):
-        for strategy in rotated(BATCH_STRATEGIES, rep):
-            records[strategy].append(step(strategy)[0])
-        log(
-            f"batch rep {rep}: "
-            + ", ".join(
-                f"{s} {sum(r.moved for r in records[s][-1].values()) / MiB:.1f} MiB"
-                for s in BATCH_STRATEGIES
-            )
-        )
+    records = rounds(
+        "batch",
+        BATCH_STRATEGIES,
+        config,
+        lambda s: step(s)[0],
+        lambda one: f"{sum(r.moved for r in one.values()) / MiB:.1f} MiB",
+    )
     holds = {s: step(s, config.hold_s, full=True) for s in BATCH_STRATEGIES}
     reset(setup)
     return {
@@ -991,17 +997,8 @@ def run(config: Config) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="fewer repetitions, half the batch")
-    mode.add_argument("--smoke", action="store_true", help="small sizes, one repetition")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path(__file__).parent / "results",
-        help="directory for the results (default: benchmarks/results)",
-    )
-    args = parser.parse_args(argv)
+    modes = {"quick": "fewer repetitions, half the batch", "smoke": "small sizes, one repetition"}
+    args = bench.parser(__doc__ or "", modes).parse_args(argv)
     why = counters.supported()
     if why is not None:
         print(f"cluster.py needs per-node store counters: {why}", file=sys.stderr)

@@ -31,7 +31,6 @@ checks), ``fanout.json`` (raw times) and ``fanout.png`` (log-log plot) in ``--ou
 
 from __future__ import annotations
 
-import argparse
 import functools
 import importlib.util
 import json
@@ -1072,22 +1071,12 @@ def profile(out: Path, calls: int = 100) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="about a minute")
-    mode.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, N=1,2")
-    mode.add_argument(
-        "--profile",
-        action="store_true",
-        help="pyinstrument of refshare repeat, reuse and ideal calls at 64 MiB, N=4",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path(__file__).parent / "results",
-        help="directory for the results (default: benchmarks/results)",
-    )
-    args = parser.parse_args(argv)
+    modes = {
+        "quick": "about a minute",
+        "smoke": "seconds: tiny sizes, N=1,2",
+        "profile": "pyinstrument of refshare repeat, reuse and ideal calls at 64 MiB, N=4",
+    }
+    args = bench.parser(__doc__ or "", modes).parse_args(argv)
     if args.profile:
         profile(args.out)
         return 0

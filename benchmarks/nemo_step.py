@@ -30,7 +30,6 @@ import time
 from collections import UserDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import _harness as bench
@@ -351,7 +350,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = bench.step_parser(__doc__ or "", Path(__file__).parent / "results")
+    parser = bench.step_parser(__doc__ or "")
     args = parser.parse_args(argv)
     config = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     if args.steps:

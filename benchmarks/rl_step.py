@@ -31,7 +31,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import _harness as bench
@@ -356,7 +355,7 @@ def report(results: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     has_verl = importlib.util.find_spec("verl") is not None
-    parser = bench.step_parser(__doc__ or "", Path(__file__).parent / "results")
+    parser = bench.step_parser(__doc__ or "")
     parser.add_argument(
         "--backend", choices=("verl", "mirror", "both"), default="verl" if has_verl else "mirror"
     )

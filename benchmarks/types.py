@@ -9,7 +9,6 @@ x put (0.8 for an object array of strings). Medians of interleaved repetitions, 
 
 from __future__ import annotations
 
-import argparse
 import collections
 import copy
 import cProfile
@@ -360,12 +359,10 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="smaller values")
-    mode.add_argument("--smoke", action="store_true", help="tiny values, 2 repetitions")
+    parser = bench.parser(
+        __doc__ or "", {"quick": "smaller values", "smoke": "tiny values, 2 repetitions"}
+    )
     parser.add_argument("--reps", type=int, help="repetitions (default: 15, --quick 9)")
-    parser.add_argument("--out", type=Path, default=bench.REPO / "benchmarks" / "results")
     parser.add_argument("--profile", metavar="ROW", help="cProfile rows whose name has ROW")
     args = parser.parse_args()
     cfg = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]

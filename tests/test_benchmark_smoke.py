@@ -57,13 +57,12 @@ STRATEGY_KEYS = {
 }
 
 
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("fanout")
+def run_smoke(script: Path, out: Path) -> Path:
+    """Run a benchmark ``--smoke`` in a subprocess of its own Ray; return ``out``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--smoke", "--out", str(out)],
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=240,
@@ -72,6 +71,11 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return run_smoke(BENCHMARK, tmp_path_factory.mktemp("fanout"))
 
 
 def table_after(markdown: str, heading: str) -> list[list[str]]:

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_benchmark_smoke import table_after
+from test_benchmark_smoke import run_smoke, table_after
 
 # The benchmark's byte counting (Ray and the standard library only): says where it cannot run.
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -50,19 +48,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     reason = counters.supported()
     if reason is not None:
         pytest.skip(reason)
-    out = tmp_path_factory.mktemp("cluster")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "cluster.py"), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return out
+    return run_smoke(BENCHMARKS / "cluster.py", tmp_path_factory.mktemp("cluster"))
 
 
 @pytest.fixture(scope="module")
