@@ -110,6 +110,22 @@ def _ndarray_tag(dtype: Any) -> bytes:
     return b"ndarray:" + _dtype_token(dtype)
 
 
+_heads: dict[tuple[Any, ...], bytes] = {}
+
+
+def _ndarray_head(dtype: Any, shape: tuple[int, ...], order: str) -> bytes:
+    """What a contiguous array's digest starts with: its dtype, shape and order (kept, since
+    a list of a thousand arrays usually has a handful of shapes)."""
+    found = _heads.get((dtype, shape, order))
+    if found is None:
+        if len(_heads) >= 4096:
+            _heads.clear()
+        found = _heads[(dtype, shape, order)] = (
+            _ndarray_tag(dtype) + repr((shape, order, None)).encode()
+        )
+    return found
+
+
 def _digest_ndarray(arr: Any) -> Key | None:
     if arr.dtype.hasobject:
         return None  # pickled element by element: the generic pass handles it
@@ -118,8 +134,7 @@ def _digest_ndarray(arr: Any) -> Key | None:
         # The common small case in one pass, without reshaping: a list of a thousand
         # small arrays costs about what hashing their bytes costs.
         order = "C" if flags.c_contiguous else "F"
-        head = xxhash.xxh3_128(_ndarray_tag(arr.dtype), SEED)
-        head.update(repr((arr.shape, order, None)).encode())
+        head = xxhash.xxh3_128(_ndarray_head(arr.dtype, arr.shape, order), SEED)
         try:
             head.update(arr if order == "C" else arr.T)
             return head.digest()
