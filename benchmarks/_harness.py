@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import importlib.util
@@ -186,6 +187,31 @@ def parser(doc: str, modes: dict[str, str]) -> argparse.ArgumentParser:
         "--out", type=Path, default=RESULTS, help="where the results go (benchmarks/results)"
     )
     return found
+
+
+def mode(args: argparse.Namespace) -> str:
+    """The mode the options chose: ``smoke``, ``quick`` or ``full``."""
+    return "smoke" if args.smoke else "quick" if args.quick else "full"
+
+
+def step_config(args: argparse.Namespace, modes: dict[str, T]) -> T:
+    """A step replay's configuration: its mode's, with ``--steps`` if given."""
+    config = modes[mode(args)]
+    return dataclasses.replace(config, steps=args.steps) if args.steps else config
+
+
+def example(name: str) -> Any:
+    """``examples/<name>.py``, imported: the frameworks' dispatch code is mirrored there, once.
+    Ray sends its classes by value, as it would a script's, so workers need not import it."""
+    from ray import cloudpickle
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    cloudpickle.register_pickle_by_value(module)
+    return module
 
 
 def step_parser(doc: str) -> argparse.ArgumentParser:

@@ -1003,7 +1003,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why is not None:
         print(f"cluster.py needs per-node store counters: {why}", file=sys.stderr)
         return 2
-    config = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    config = MODES[bench.mode(args)]
     results = run(config)
     results["goals"] = goals(results)
     cannot_plot = bench.cannot_plot("cluster.png")

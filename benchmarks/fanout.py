@@ -1080,7 +1080,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.profile:
         profile(args.out)
         return 0
-    config = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    config = MODES[bench.mode(args)]
     results = run(config)
     write_results(results, args.out)
     log(f"wrote {args.out / 'fanout.md'}, fanout.json, fanout.png")

@@ -1,7 +1,8 @@
 """NeMo-RL step replay: policy log-probs, reference log-probs and train, plain, refshare, deep.
 
 NeMo-RL ships no package to install here, so the parts that decide transport are mirrored
-from NeMo-RL main (commit 7ea279a): ``nemo_rl/distributed/batched_data_dict.py``
+from NeMo-RL main (commit 7ea279a), in ``examples/nemo_style.py`` (used here with batches of
+torch tensors, as NeMo-RL's are): ``nemo_rl/distributed/batched_data_dict.py``
 (``BatchedDataDict``, a ``collections.UserDict``; ``shard_by_batch_size`` without dynamic
 batching, which copies each shard's rows) and ``nemo_rl/distributed/worker_groups.py``
 (``RayWorkerGroup.run_all_workers_sharded_data``, which ``ray.put``s every DP shard when a
@@ -23,11 +24,9 @@ which is what ``refshare.enable("nemo_rl")`` wraps.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
-from collections import UserDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -66,132 +65,14 @@ MODES = {
 }
 
 
-# -- NeMo-RL main (7ea279a), mirrored ---------------------------------------------------------
+# -- NeMo-RL main (7ea279a), mirrored once, in examples/nemo_style.py -------------------------
 
-
-class NamedSharding:
-    def __init__(self, layout: Any, names: list[str]) -> None:
-        self._layout, self.names = np.array(layout), list(names)
-
-    def get_worker_coords(self, worker_id: int) -> dict[str, int]:
-        indices = np.where(self._layout == worker_id)
-        return {name: int(indices[i][0]) for i, name in enumerate(self.names)}
-
-    def get_axis_size(self, name: str) -> int:
-        return int(self._layout.shape[self.names.index(name)])
-
-
-class BatchedDataDict(UserDict):  # type: ignore[type-arg]  # no pickling of its own
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.micro_batch_indices = None
-        self.micro_batch_lengths = None
-        self.elem_counts_per_gb = None
-
-    @classmethod
-    def from_batches(cls, batches: Sequence[Any]) -> Any:
-        # (NeMo-RL pads 2-D tensors to the longest row first; ours are all one length)
-        return cls({k: torch.cat([b[k] for b in batches]) for k in sorted(batches[0])})
-
-    def shard_by_batch_size(self, shards: int, batch_size: int | None = None) -> list[Any]:
-        total = len(next(iter(self.data.values())))
-        batch_size = batch_size or total
-        num_chunks, shard_size = total // batch_size, batch_size // shards
-        aggregated_shards = [SlicedDataDict() for _ in range(shards)]
-        for shard_idx in range(shards):
-            for chunk_idx in range(num_chunks):
-                start = chunk_idx * batch_size + shard_idx * shard_size
-                indices = torch.arange(start, start + shard_size)
-                for k, v in self.data.items():  # copies of the rows, as in NeMo-RL
-                    part = v[indices].clone()
-                    shard = aggregated_shards[shard_idx]
-                    shard[k] = torch.cat([shard[k], part]) if k in shard else part
-        return aggregated_shards
-
-
-class SlicedDataDict(BatchedDataDict):
-    pass
-
-
-@dataclass
-class MultiWorkerFuture:
-    futures: list[Any]
-    return_from_workers: list[int]
-    called_workers: list[int]
-
-
-class RayWorkerGroup:
-    def __init__(self, workers: list[Any], sharding_annotations: NamedSharding) -> None:
-        self._workers, self.sharding_annotations = workers, sharding_annotations
-
-    @property
-    def workers(self) -> list[Any]:
-        return self._workers
-
-    def run_single_worker_single_data(
-        self, method_name: str, worker_idx: int, **kwargs: Any
-    ) -> Any:
-        return getattr(self.workers[worker_idx], method_name).remote(**kwargs)
-
-    def run_all_workers_multiple_data(
-        self, method_name: str, common_kwargs: dict[str, Any] | None = None, **kwargs: Any
-    ) -> list[Any]:
-        common_kwargs = common_kwargs or {}
-        return [
-            getattr(w, method_name).remote(**{k: v[i] for k, v in kwargs.items()}, **common_kwargs)
-            for i, w in enumerate(self.workers)
-        ]
-
-    def run_all_workers_single_data(self, method_name: str, **kwargs: Any) -> list[Any]:
-        kwargs = {key: ray.put(value) for key, value in kwargs.items()}
-        return [getattr(worker, method_name).remote(**kwargs) for worker in self.workers]
-
-    def run_all_workers_sharded_data(
-        self,
-        method_name: str,
-        in_sharded_axes: list[str] | None = None,
-        replicate_on_axes: list[str] | None = None,
-        output_is_replicated: list[str] | None = None,
-        common_kwargs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> MultiWorkerFuture:
-        common_kwargs, in_sharded_axes = common_kwargs or {}, in_sharded_axes or []
-        replicate_on_axes = replicate_on_axes or []
-        output_is_replicated = output_is_replicated or []
-        sizes = [self.sharding_annotations.get_axis_size(ax) for ax in replicate_on_axes]
-        if math.prod(sizes) > 1:
-            # Use ray.put to serialize all the arguments. This can reduce the cost
-            # of repeated serialization when we send same arguments to multiple workers.
-            def _map(nested: Any, depth: int) -> Any:
-                return ray.put(nested) if depth == 0 else [_map(v, depth - 1) for v in nested]
-
-            kwargs = {k: _map(v, len(in_sharded_axes)) for k, v in kwargs.items()}
-        futures, called_workers, return_from_workers = [], [], []
-        for worker_idx, worker in enumerate(self._workers):
-            coords = self.sharding_annotations.get_worker_coords(worker_idx)
-            should_receive_data = return_from_this_worker = True
-            for axis in self.sharding_annotations.names:
-                if axis not in in_sharded_axes + replicate_on_axes and coords[axis] != 0:
-                    should_receive_data = return_from_this_worker = False  # a free axis
-                    break
-                if axis in output_is_replicated and coords[axis] != 0:
-                    return_from_this_worker = False
-            if return_from_this_worker:
-                return_from_workers.append(worker_idx)
-            if should_receive_data:
-                worker_kwargs = kwargs
-                for axis in in_sharded_axes:
-                    worker_kwargs = {k: v[coords[axis]] for k, v in worker_kwargs.items()}
-                futures.append(
-                    getattr(worker, method_name).remote(**worker_kwargs, **common_kwargs)
-                )
-                called_workers.append(worker_idx)
-        return MultiWorkerFuture(futures, return_from_workers, called_workers)
-
-    def get_all_worker_results(self, future_bundle: MultiWorkerFuture) -> list[Any]:
-        results = ray.get(future_bundle.futures)
-        called = future_bundle.called_workers
-        return [results[called.index(w)] for w in future_bundle.return_from_workers]
+nemo = bench.example("nemo_style")
+BatchedDataDict, NamedSharding, RayWorkerGroup = (
+    nemo.BatchedDataDict,
+    nemo.NamedSharding,
+    nemo.RayWorkerGroup,
+)
 
 
 def policy_call(group: RayWorkerGroup, method: str, data: BatchedDataDict, **common: Any) -> Any:
@@ -352,9 +233,7 @@ def report(results: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = bench.step_parser(__doc__ or "")
     args = parser.parse_args(argv)
-    config = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
-    if args.steps:
-        config = Config(**{**asdict(config), "steps": args.steps})
+    config = bench.step_config(args, MODES)
     meta = bench.machine(
         "nemo_step.py", ray_init={"num_cpus": 2, "object_store_memory": config.store_bytes}
     )

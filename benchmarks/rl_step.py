@@ -362,9 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dispatch", choices=("dp", "nd"), default="dp", help="compute calls")
     parser.add_argument("--no-tensordict", action="store_true", help="mirror: dict batches")
     args = parser.parse_args(argv)
-    config = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
-    if args.steps:
-        config = Config(**{**asdict(config), "steps": args.steps})
+    config = bench.step_config(args, MODES)
     if args.backend != "mirror" and not has_verl:
         parser.error("verl is not importable: use --backend mirror")
     if args.no_tensordict:

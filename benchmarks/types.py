@@ -365,7 +365,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, help="repetitions (default: 15, --quick 9)")
     parser.add_argument("--profile", metavar="ROW", help="cProfile rows whose name has ROW")
     args = parser.parse_args()
-    cfg = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    cfg = MODES[bench.mode(args)]
     cfg = dataclasses.replace(cfg, reps=args.reps or cfg.reps)
     start = time.perf_counter()
     bench.start_ray(cfg.store_bytes)

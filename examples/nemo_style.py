@@ -57,7 +57,7 @@ class BatchedDataDict(UserDict):  # no pickling of its own: it sends its __dict_
 
     @classmethod
     def from_batches(cls, batches):
-        return cls({k: np.concatenate([b[k] for b in batches]) for k in batches[0]})
+        return cls({k: _cat([b[k] for b in batches]) for k in batches[0]})
 
     def shard_by_batch_size(self, shards, batch_size=None):  # the path without dynamic batching
         total_batch_size = len(next(iter(self.data.values())))
@@ -70,8 +70,18 @@ class BatchedDataDict(UserDict):  # no pickling of its own: it sends its __dict_
                 shard_start = chunk_idx * batch_size + shard_idx * shard_size
                 shard_ranges.append((shard_start, shard_start + shard_size))
             for k, v in self.data.items():  # copies of the rows, as in NeMo-RL
-                aggregated_shards[shard_idx][k] = np.concatenate([v[s:e] for s, e in shard_ranges])
+                aggregated_shards[shard_idx][k] = _cat([v[s:e] for s, e in shard_ranges])
         return aggregated_shards
+
+
+def _cat(parts):
+    """A copy of the parts joined: NeMo-RL's batches hold torch tensors; this example's hold
+    numpy arrays, so that it runs without torch (benchmarks/nemo_step.py sends tensors)."""
+    if type(parts[0]).__module__.partition(".")[0] == "torch":
+        import torch
+
+        return torch.cat(parts)
+    return np.concatenate(parts)
 
 
 class SlicedDataDict(BatchedDataDict):

@@ -97,15 +97,20 @@ def results(smoke_run: Path) -> dict[str, Any]:
     return data
 
 
-@pytest.mark.slow
-def test_writes_its_files(smoke_run: Path) -> None:
-    for name in ("fanout.md", "fanout.json"):
-        assert (smoke_run / name).stat().st_size > 0, name
-    plot = smoke_run / "fanout.png"
+def assert_wrote(out: Path, stem: str) -> None:
+    """``stem.md`` and ``stem.json`` are there, and ``stem.png`` if matplotlib is."""
+    for name in (f"{stem}.md", f"{stem}.json"):
+        assert (out / name).stat().st_size > 0, name
+    plot = out / f"{stem}.png"
     if importlib.util.find_spec("matplotlib") is None:  # the plot needs the bench extra
         assert not plot.exists()
     else:
         assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.slow
+def test_writes_its_files(smoke_run: Path) -> None:
+    assert_wrote(smoke_run, "fanout")
 
 
 @pytest.mark.slow
