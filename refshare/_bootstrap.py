@@ -8,7 +8,7 @@ inside Ray. Keep it free of imports from refshare.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 MISSING = (
     "this argument was deep-shared by refshare, which the Ray worker cannot import ({}): "
@@ -39,3 +39,13 @@ def rebuild_tensor(
     storage.numpy()[:] = source
     tensor = torch.empty(0, dtype=dtype).set_(storage.untyped_storage(), offset, size, stride)
     return tensor.requires_grad_() if requires_grad else tensor
+
+
+def rebuild_strings(text: str, shape: Any, order: Literal["C", "F"]) -> Any:
+    """An array of strings from their NUL-joined text, as numpy's unpickling would give it:
+    a writable array of its own, of the same shape and memory order."""
+    import numpy as np
+
+    out = np.empty(shape, dtype=object, order=order)
+    out.reshape(-1, order=order)[:] = text.split("\0")
+    return out

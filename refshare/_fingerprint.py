@@ -13,7 +13,7 @@ from typing import Any
 
 import xxhash
 
-from . import _serialized, _tensors
+from . import _serialized, _strings, _tensors
 from ._dispatch import TypeTable
 from ._hashing import PARALLEL_MIN_BYTES, SEED, digest_buffer
 from ._sizing import SizeFn, register_size
@@ -126,9 +126,20 @@ def _ndarray_head(dtype: Any, shape: tuple[int, ...], order: str) -> bytes:
     return found
 
 
+def _digest_strings(arr: Any) -> Key | None:
+    """An array of exact strings, by its strings joined (see ``_strings``)."""
+    found = _strings.joined(arr)
+    if found is None:
+        return None
+    text, order = found
+    head = _tagged("strings", arr.shape, order)
+    return _head_and_body(head, text.encode("utf-8", "surrogatepass"))
+
+
 def _digest_ndarray(arr: Any) -> Key | None:
     if arr.dtype.hasobject:
-        return None  # pickled element by element: the generic pass handles it
+        # Strings are keyed joined; other objects are pickled one by one, by the generic pass.
+        return _digest_strings(arr)
     flags = arr.flags
     if arr.nbytes <= PARALLEL_MIN_BYTES and (flags.c_contiguous or flags.f_contiguous):
         # The common small case in one pass, without reshaping: a list of a thousand

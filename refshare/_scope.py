@@ -29,7 +29,6 @@ from ._patch import (
 from ._session import current_session
 from ._sizing import estimate_size, measure
 from ._structure import StampedMemo
-from ._tensors import tensor_form
 
 logger = logging.getLogger("refshare")
 
@@ -342,8 +341,9 @@ class PickleOnPut:
 
 
 def stored_form(stored: Any) -> Any:
-    """What ``ray.put`` stores for ``stored``: a plain CPU tensor as its storage's bytes, a
-    value holding tensors as refshare's own pickle of it, anything else as it is."""
+    """What ``ray.put`` stores for ``stored``: a plain CPU tensor as its storage's bytes, an
+    array of strings joined, a value holding tensors as refshare's own pickle of it,
+    anything else as it is."""
     if isinstance(stored, PickleOnPut):
         if not _serialized.available():
             return stored.value
@@ -352,8 +352,8 @@ def stored_form(stored: Any) -> Any:
         except Exception:
             logger.debug("cannot pickle %s itself", type(stored.value).__qualname__, exc_info=True)
             return stored.value  # refs inside, say: Ray's own serialization
-    tensor = tensor_form(stored)
-    return stored if tensor is None else tensor
+    form = _serialized.own_form(stored)
+    return stored if form is None else form
 
 
 _warned_client = False

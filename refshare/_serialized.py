@@ -6,7 +6,8 @@ once with Ray's own pickler (so Ray's registered serializers apply), hashes the 
 bytes and out-of-band buffers where they lie, and on a miss puts that very pickle: Ray
 stores it as two buffers, and the worker's unpickling of the argument rebuilds the value
 with ``pickle.loads``, so what the worker receives is what Ray by value gives it. Plain CPU
-tensors inside go as their bytes (see ``_tensors``), so the pickle costs one copy of them.
+tensors inside go as their bytes (see ``_tensors``), so the pickle costs one copy of them,
+and arrays of strings as one joined string (see ``_strings``).
 
 A container holding tensors, keyed without serializing it, is pickled this way on a miss
 too (see ``Scope.put_new``): it is then one copy of its tensors instead of torch's three.
@@ -24,6 +25,7 @@ from typing import Any
 import xxhash
 
 from ._hashing import SEED, digest_buffer
+from ._strings import strings_form
 from ._tensors import tensor_form
 
 logger = logging.getLogger("refshare")
@@ -79,12 +81,18 @@ def _make_pickler_class() -> tuple[type[pickle.Pickler], tuple[type, ...]]:
         def reducer_override(self, obj: Any) -> Any:
             if isinstance(obj, refused):
                 raise HoldsRayHandles(type(obj).__qualname__)
-            tensor = tensor_form(obj)
-            if tensor is not None:
-                return tensor.__reduce__()  # its bytes, out of band
+            form = own_form(obj)
+            if form is not None:
+                return form.__reduce__()
             return super().reducer_override(obj)
 
     return RayPickler, refused
+
+
+def own_form(obj: Any) -> Any:
+    """What refshare stores for ``obj`` where it has a cheaper form than Ray's pickling: a
+    plain CPU tensor as its bytes, an array of strings joined; else ``None``."""
+    return tensor_form(obj) or strings_form(obj)
 
 
 def _dumps(pickler_class: type[pickle.Pickler], value: Any) -> Serialized:

@@ -56,6 +56,8 @@ def describe(value: Any, layout: bool = True) -> Any:
         if layout:
             flags = value.flags
             content += (value.strides, flags.c_contiguous, flags.f_contiguous, flags.writeable)
+        if value.dtype.hasobject:  # the objects themselves, not pointers to them
+            return ("ndarray", *content, _digest(repr(value.tolist()).encode()))
         return ("ndarray", *content, _digest(np.ascontiguousarray(value).tobytes()))
     if isinstance(value, dict):
         state = describe(dict(vars(value)), layout) if hasattr(value, "__dict__") else None
@@ -146,6 +148,32 @@ def test_non_contiguous_numpy_arrays(probes: list[Any]) -> None:
     a = np.random.default_rng(0).standard_normal((512, 1024), dtype=np.float32)  # 2 MiB
     views = [a, a.T, np.asfortranarray(a), a[:, ::2], a[::2], a[::-1]]
     check(probes, *views, a[:, ::2], puts=len(views), hits=len(views) * 2 + 3)
+
+
+def words(count: int = 40_000) -> np.ndarray:
+    accents = ("", "\u00e9", "\u4e2d")
+    return np.array([f"uid-{i:06d}-{accents[i % 3]}" for i in range(count)], object)
+
+
+def test_arrays_of_strings(probes: list[Any]) -> None:
+    """Stored joined (see ``_strings``): every layout arrives as by value; an element that
+    is not a plain string, or a string holding a NUL, is sent as Ray pickles it."""
+    flat = words()
+    grid = flat.reshape(200, -1)
+    mixed, nul = flat.copy(), flat.copy()
+    mixed[5], nul[3] = b"bytes", "a\0b"
+    values = [flat, grid, np.asfortranarray(grid), grid[:, ::2], mixed, nul]
+    check(probes, *values, flat.copy(), puts=len(values), hits=(len(values) + 1) * N_PROBES - 6)
+
+
+def test_an_array_of_strings_changed_within_one_call_is_sent_anew(probes: list[Any]) -> None:
+    value = words()
+    first = value.copy()
+
+    def change() -> None:
+        value[-1] = "changed"
+
+    assert_changed_within_one_call_is_sent_anew(probes, value, first, change)
 
 
 def test_lists_of_numpy_shards(probes: list[Any]) -> None:
@@ -283,8 +311,8 @@ class ProbeWithoutRefshare:
 
 def test_tensors_reach_a_worker_without_refshare(monkeypatch: pytest.MonkeyPatch) -> None:
     """refshare stores a tensor as its storage's bytes, alone or inside a value it pickles
-    itself; the code that rebuilds it travels with it, so a worker without refshare gets
-    what Ray by value gives it."""
+    itself, and an array of strings joined; the code that rebuilds them travels with them,
+    so a worker without refshare gets what Ray by value gives it."""
     torch = pytest.importorskip("torch")
     probe = ProbeWithoutRefshare.remote()
     base = torch.randn(512, 1024)
@@ -292,6 +320,7 @@ def test_tensors_reach_a_worker_without_refshare(monkeypatch: pytest.MonkeyPatch
     values.append(torch.randn(256, 512, requires_grad=True))
     values.append({"a": base, "alias": base, "rows": base[1:], "ids": np.arange(10), "n": 3})
     values.append(BatchedDataDict(torch_batch()))
+    values += [words(), np.asfortranarray(words().reshape(200, -1))]  # joined strings
 
     @refshare.shared_args
     def shared() -> list[Any]:

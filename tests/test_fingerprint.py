@@ -225,10 +225,37 @@ def test_tensors_off_the_cpu_are_neither_sized_nor_hashed() -> None:
 def test_a_large_object_array_is_keyed_by_the_pickle_ray_sends() -> None:
     from refshare._fingerprint import SERIALIZE_OBJECT_ARRAYS_FROM, identify
 
-    uids = np.array([f"uid-{i}" for i in range(SERIALIZE_OBJECT_ARRAYS_FROM + 1)], dtype=object)
+    uids = np.empty(SERIALIZE_OBJECT_ARRAYS_FROM + 1, dtype=object)
+    uids[:] = [f"uid-{i}".encode() for i in range(uids.size)]  # bytes: not joined as strings
     key, pickled, _, _ = identify(uids) or (None, None, None, None)
     assert pickled is not None and key == pickled.key  # one pickle: keyed, then stored
     assert key == fingerprint(uids.copy()) and key != fingerprint(uids[::-1].copy())
-    few = np.array(["a", "b"], dtype=object)  # small, inside a batch: keyed by a pass
+    few = np.array(["a", 1], dtype=object)  # small, inside a batch: keyed by a pass
     found = identify({"uids": few, "x": np.zeros(10)})
     assert found is not None and found[1] is None
+
+
+class Tag(str):
+    """A str subclass: pickles with its class, so it is not keyed as a plain string."""
+
+
+def test_arrays_of_strings_are_keyed_by_their_strings_without_pickling() -> None:
+    from refshare._fingerprint import SERIALIZE_OBJECT_ARRAYS_FROM, identify
+
+    words = np.array([f"uid-{i}-\u00e9" for i in range(SERIALIZE_OBJECT_ARRAYS_FROM * 2)], object)
+    found = identify(words)
+    assert found is not None and found[1] is None  # keyed joined, not by a pickle
+    assert found[0] == fingerprint(words.copy()) != fingerprint(words[::-1].copy())
+    grid = words.reshape(100, -1)
+    keys = {fingerprint(v) for v in (words, grid, np.asfortranarray(grid), grid[:, ::2])}
+    assert len(keys) == 4  # shape and the order Ray sends are part of the content
+    # Where joining would lose what Ray sends, the array is keyed by its pickle, as before.
+    for other in ("a\0b", Tag("x"), b"x", None):
+        changed = words.copy()
+        changed[7] = other
+        found = identify(changed)
+        assert found is not None and found[1] is not None, other
+        assert found[0] != fingerprint(words)
+    # Strings that would join alike unless their count and separators were kept.
+    assert fingerprint(np.array(["ab", "c"], object)) != fingerprint(np.array(["a", "bc"], object))
+    assert fingerprint(np.array([""], object)) != fingerprint(np.array(["", ""], object))
