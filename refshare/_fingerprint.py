@@ -6,6 +6,7 @@ import functools
 import itertools
 import logging
 import pickle
+import sys
 import types
 import weakref
 from collections.abc import Callable
@@ -675,15 +676,47 @@ def _keep(
         _remember(memo_key, obj, stamp, digest)
 
 
+def _digest_array_list(items: list[Any] | tuple[Any, ...]) -> Key | None:
+    """A list or tuple of distinct small contiguous arrays in one streaming pass, or
+    ``None``. The pickler cannot be asked about a list, so a list of a thousand arrays
+    would cost a trip through the pass per array, 2.4x what hashing their bytes costs."""
+    numpy = sys.modules.get("numpy")
+    ndarray = getattr(numpy, "ndarray", None)
+    if not items or type(items[0]) is not ndarray:
+        return None
+    head = _tagged("arrays", type(items).__name__, len(items))
+    update = head.update
+    for arr in items:
+        if type(arr) is not ndarray or arr.nbytes >= STAMP_MIN_BYTES or arr.dtype.hasobject:
+            return None
+        flags = arr.flags
+        if flags.c_contiguous:
+            update(_ndarray_head(arr.dtype, arr.shape, "C"))
+            update(arr)
+        elif flags.f_contiguous:
+            update(_ndarray_head(arr.dtype, arr.shape, "F"))
+            update(arr.T)
+        else:
+            return None
+    if len(set(map(id, items))) != len(items):
+        return None  # an array twice arrives as one object twice: the pass keeps that
+    return head.digest()
+
+
 def fingerprint_pass(obj: object, memo: Memo, reuse: bool, strict: bool) -> tuple[Key, bool]:
     """The fingerprint of ``obj`` without serializing it, and whether it holds tensors
     (other than itself); raises what the pass raised.
 
     With ``strict``, raises ``NeedsSerializing`` or ``Unfingerprintable`` for values that
     only a real serialization can key (see :func:`identify`)."""
-    leaf = _leaf_digests.exact(type(obj))
+    cls = type(obj)
+    leaf = _leaf_digests.exact(cls)
     if leaf is not None:
         digest = leaf(obj, memo, reuse)
+        if digest is not None:
+            return digest, False
+    elif cls is list or cls is tuple:
+        digest = _digest_array_list(obj)  # type: ignore[arg-type]
         if digest is not None:
             return digest, False
     pickler = _FingerprintPickler(memo, reuse, strict)

@@ -193,6 +193,16 @@ def test_lists_of_numpy_shards(probes: list[Any]) -> None:
     assert refshare.stats()[:2] == (N_PROBES, N_PROBES)  # puts, hits
 
 
+def test_lists_of_small_arrays(probes: list[Any]) -> None:
+    """Keyed in one pass (see ``_digest_array_list``); every layout, and one array twice,
+    arrives as by value."""
+    rng = np.random.default_rng(0)
+    many = [rng.random(1024) for _ in range(200)]
+    many += [np.asfortranarray(rng.random((32, 16))), rng.integers(0, 9, (16, 32)).T]
+    twice = [many[0], many[0], *many[1:]]
+    check(probes, many, [a.copy(order="K") for a in many], twice, puts=2, hits=3 * N_PROBES - 2)
+
+
 class BatchedDataDict(dict[str, Any]):
     """Like NeMo-RL's: a dict of arrays with a batch dimension, and state of its own."""
 

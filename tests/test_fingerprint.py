@@ -259,3 +259,29 @@ def test_arrays_of_strings_are_keyed_by_their_strings_without_pickling() -> None
     # Strings that would join alike unless their count and separators were kept.
     assert fingerprint(np.array(["ab", "c"], object)) != fingerprint(np.array(["a", "bc"], object))
     assert fingerprint(np.array([""], object)) != fingerprint(np.array(["", ""], object))
+
+
+def test_a_list_of_small_arrays_is_keyed_in_one_pass() -> None:
+    from refshare._fingerprint import _digest_array_list
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.random(1000) for _ in range(300)] + [np.asfortranarray(np.eye(40, 20))]
+    assert _digest_array_list(arrays) is not None  # the one-pass path, not the pass
+    assert fingerprint(arrays) == fingerprint([a.copy(order="K") for a in arrays])
+    assert fingerprint(arrays) != fingerprint(tuple(arrays))
+    assert fingerprint(arrays) != fingerprint(arrays[::-1])
+    eye = arrays[-1]
+    for other in (np.ascontiguousarray(eye), eye.astype(np.float32), eye.reshape(20, 40)):
+        assert fingerprint(arrays) != fingerprint([*arrays[:-1], other])
+    # Bytes that would hash alike if shapes and dtypes were not part of the stream.
+    a = np.arange(8, dtype=np.int64)
+    assert fingerprint([a[:4].copy(), a[4:].copy()]) != fingerprint([a[:2].copy(), a[2:].copy()])
+    assert fingerprint([a]) != fingerprint([a.view(np.float64)])
+    # One array twice arrives as one object twice: keyed by the pass, which keeps that.
+    assert _digest_array_list([a, a]) is None
+    assert fingerprint([a, a]) != fingerprint([a, a.copy()])
+    # Anything else in the list, and the pass keys it, as before.
+    others = (lambda: a.copy()[::2], lambda: np.zeros(1 << 16), lambda: np.array(["x"], object))
+    for make in (*others, lambda: 3):
+        assert _digest_array_list([a, make()]) is None
+        assert fingerprint([a, make()]) == fingerprint([a.copy(), make()])
