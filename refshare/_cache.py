@@ -8,6 +8,7 @@ from collections.abc import Hashable, Iterator
 from typing import Any
 
 from . import _stats
+from ._admission import Admission
 from ._session import current_session, local_object_store_bytes
 
 #: Share of the local object store the process-wide cache may hold when no budget is given.
@@ -38,6 +39,9 @@ class RefCache:
     ``max_bytes=None`` means a quarter of the object store of the node the driver runs on,
     read when the cache is first used in a Ray session. Refs are valid only in the Ray
     session that made them, so the cache empties itself when it sees a new one.
+
+    ``admission`` counts which kinds of values repeat (see ``_admission``): scopes do not
+    key, nor cache, values of a kind that has not repeated lately.
     """
 
     def __init__(self, max_bytes: int | None = None) -> None:
@@ -46,6 +50,7 @@ class RefCache:
         self._nbytes = 0
         self._session: object = None
         self._lock = threading.RLock()
+        self.admission = Admission()
 
     @property
     def max_bytes(self) -> int:
@@ -113,10 +118,12 @@ class RefCache:
         return key, ref
 
     def clear(self) -> None:
-        """Drop every ref (Ray frees each object once no task or caller still uses it)."""
+        """Drop every ref (Ray frees each object once no task or caller still uses it),
+        and what was counted of which values repeat."""
         with self._lock:
             self._entries.clear()
             self._nbytes = 0
+        self.admission.clear()
 
     def bind_session(self, session: object) -> None:
         """Empty the cache if its refs belong to another Ray session than ``session``."""

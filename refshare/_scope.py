@@ -14,10 +14,10 @@ import ray
 import wrapt
 from ray import ObjectRef
 
-from . import _serialized, _stats
+from . import _admission, _serialized, _stats
 from ._cache import RefCache
 from ._deep import Skeleton, ship_bootstrap_by_value, split
-from ._fingerprint import Key, Memo, _leaf_digests, identify
+from ._fingerprint import Key, Memo, _leaf_digests, identify, runs_own_pickling
 from ._patch import (
     SubmitScope,
     active_scope,
@@ -135,7 +135,8 @@ class Scope:
     whole structure (see ``StampedMemo``), so each is serialized or split at most once per
     call. ``local`` lets each content be put once per scope even when no cache is used or
     the value exceeds the cache budget; ``pending`` makes threads that miss one key at once
-    wait for one put.
+    wait for one put; ``unkeyed`` holds the values put without keying (see ``_admission``),
+    so that one sent again within the call makes its kind keyed again.
     """
 
     __slots__ = (
@@ -150,6 +151,7 @@ class Scope:
         "reuse",
         "session",
         "splits",
+        "unkeyed",
     )
 
     def __init__(self, options: Options) -> None:
@@ -163,6 +165,7 @@ class Scope:
         self.memo: Memo = {}
         self.pickled = StampedMemo()
         self.local: dict[Key, Any] = {}
+        self.unkeyed: dict[int, Any] = {}
         self.session: tuple[str, str] | None = None
 
     def rewrite(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -199,7 +202,7 @@ class Scope:
                 if skeleton.nbytes < self.min_bytes:
                     return skeleton  # small: inside the task message, as Ray inlines it
                 return self.store_as(skeleton.key, skeleton, skeleton.nbytes, skeleton)
-        return self.store(value, nbytes, fallback=value)
+        return self.store(value, nbytes, fallback=value, admit=True)
 
     def large(self, value: Any) -> int | None:
         """The size of ``value`` if it reaches ``min_bytes``, else ``None``."""
@@ -245,7 +248,7 @@ class Scope:
         skeleton = self.split(value) if self.deep else None
         if skeleton is not None:
             return self.store_as(skeleton.key, skeleton, skeleton.nbytes, None)
-        return self.store(value, nbytes, fallback=None)
+        return self.store(value, nbytes, fallback=None, admit=True)
 
     def ready(self) -> bool:
         """Whether Ray is running; binds the cache to its session the first time."""
@@ -278,13 +281,45 @@ class Scope:
             return key, PickleOnPut(value) if tensors else value, nbytes
         return key, serialized, nbytes
 
-    def store(self, value: Any, nbytes: int, fallback: Any) -> Any:
-        """The ref for ``value``'s content: found in the scope or cache, or put now."""
+    def store(self, value: Any, nbytes: int, fallback: Any, admit: bool = False) -> Any:
+        """The ref for ``value``'s content: found in the scope or cache, or put now.
+
+        With ``admit`` (a task's argument, a ``ray.put``), a value of a kind the cache has
+        not seen repeat lately is put without being keyed (see ``_admission``)."""
+        admission = self.cache.admission if admit and self.cache is not None else None
+        kind = _admission.kind(value, nbytes)
+        if admission is not None and not admission.keyed(kind):
+            if self.unkeyed.get(id(value)) is not value:
+                self.unkeyed[id(value)] = value  # held: its id is not recycled meanwhile
+                return self.put_unkeyed(value, nbytes, fallback)
+            admission.record(kind, hit=True)  # sent again within this call: it repeats
         found = self.identify(value, nbytes)
         if found is None:
             _stats.record_by_value()
             return fallback
+        if admission is not None:
+            ref = self.found(found[0], found[2])
+            admission.record(kind, hit=ref is not None)
+            if ref is not None:
+                return ref
         return self.store_as(*found, fallback)
+
+    def put_unkeyed(self, value: Any, nbytes: int, fallback: Any) -> Any:
+        """Put ``value`` as it is, neither keyed nor cached, in the form a miss would store:
+        a tensor as its bytes, a container through refshare's own pickler (its tensors as
+        their bytes), a value with pickling of its own (a ``DataProto``) as Ray pickles it."""
+        cls = type(value)
+        plain = _leaf_digests.exact(cls) is not None or runs_own_pickling(cls)
+        stored = value if plain else PickleOnPut(value)
+        try:
+            ref = raw_put(stored_form(stored))
+        except Exception:
+            logger.debug("ray.put failed; sending by value", exc_info=True)
+            _stats.record_by_value()
+            return fallback
+        _stats.record_put(nbytes)
+        _stats.record_unkeyed()
+        return ref
 
     def found(self, key: Key, nbytes: int) -> Any:
         """The ref already stored under ``key`` in the scope or cache (a hit), or ``None``."""
@@ -348,7 +383,7 @@ def stored_form(stored: Any) -> Any:
         if not _serialized.available():
             return stored.value
         try:
-            return _serialized.serialize(stored.value)
+            return _serialized.serialize(stored.value, keyed=False)  # its key is known
         except Exception:
             logger.debug("cannot pickle %s itself", type(stored.value).__qualname__, exc_info=True)
             return stored.value  # refs inside, say: Ray's own serialization

@@ -45,11 +45,14 @@ class Serialized:
 
     __slots__ = ("buffers", "inband", "key", "nbytes")
 
-    def __init__(self, inband: bytes, buffers: list[pickle.PickleBuffer]) -> None:
+    def __init__(self, inband: bytes, buffers: list[pickle.PickleBuffer], keyed: bool) -> None:
         self.inband = inband
         self.buffers = buffers
         raws = [buffer.raw() for buffer in buffers]
         self.nbytes = len(inband) + sum(raw.nbytes for raw in raws)
+        self.key = b""
+        if not keyed:
+            return  # to be put, not looked up (see ``_admission``)
         hasher = xxhash.xxh3_128(b"serialized", SEED)
         hasher.update(len(inband).to_bytes(8, "little"))
         hasher.update(digest_buffer(inband))
@@ -95,11 +98,11 @@ def own_form(obj: Any) -> Any:
     return tensor_form(obj) or strings_form(obj)
 
 
-def _dumps(pickler_class: type[pickle.Pickler], value: Any) -> Serialized:
+def _dumps(pickler_class: type[pickle.Pickler], value: Any, keyed: bool = True) -> Serialized:
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
     pickler_class(stream, protocol=5, buffer_callback=buffers.append).dump(value)
-    return Serialized(stream.getvalue(), buffers)
+    return Serialized(stream.getvalue(), buffers, keyed)
 
 
 class _Probe:
@@ -141,10 +144,11 @@ def available() -> bool:
     return _pickler_class is not None
 
 
-def serialize(value: Any) -> Serialized:
-    """Pickle ``value`` as Ray would, once; raises :class:`HoldsRayHandles` for refs inside.
+def serialize(value: Any, keyed: bool = True) -> Serialized:
+    """Pickle ``value`` as Ray would, once, and key it unless ``keyed`` is false; raises
+    :class:`HoldsRayHandles` for refs inside.
 
     Call only after :func:`available` returned True.
     """
     assert _pickler_class is not None
-    return _dumps(_pickler_class, value)
+    return _dumps(_pickler_class, value, keyed)

@@ -14,7 +14,8 @@ class Stats(NamedTuple):
     serialized again; ``evictions`` counts refs dropped to stay within a cache's budget;
     ``by_value`` counts large arguments refshare could not fingerprint or put, which went
     to Ray unchanged; ``put_calls`` counts ``ray.put`` calls made inside a scope that
-    refshare answered by content (each also counts as a put or a hit).
+    refshare answered by content (each also counts as a put or a hit); ``unkeyed`` counts
+    the puts of values refshare did not key, being of a kind that has not repeated lately.
     """
 
     puts: int = 0
@@ -24,11 +25,12 @@ class Stats(NamedTuple):
     evictions: int = 0
     by_value: int = 0
     put_calls: int = 0
+    unkeyed: int = 0
 
 
 _lock = threading.Lock()
 _counts = [0] * len(Stats._fields)
-_PUTS, _HITS, _BYTES_PUT, _BYTES_SAVED, _EVICTIONS, _BY_VALUE, _PUT_CALLS = range(
+_PUTS, _HITS, _BYTES_PUT, _BYTES_SAVED, _EVICTIONS, _BY_VALUE, _PUT_CALLS, _UNKEYED = range(
     len(Stats._fields)
 )
 
@@ -41,6 +43,7 @@ _DESCRIPTIONS = {
     "evictions": "Refs dropped to keep a cache within its budget",
     "by_value": "Large arguments refshare could not share, sent by value",
     "put_calls": "ray.put calls inside a scope answered by content",
+    "unkeyed": "Values put without keying: of a kind that has not repeated lately",
 }
 
 #: Ray metric counters, one per field, once :func:`enable_metrics` was called.
@@ -52,7 +55,8 @@ def enable_metrics(enabled: bool = True) -> None:
 
     They appear on Ray's metrics endpoint and dashboard as ``refshare_puts``,
     ``refshare_hits``, ``refshare_bytes_put``, ``refshare_bytes_saved``,
-    ``refshare_evictions``, ``refshare_by_value`` and ``refshare_put_calls``, counted
+    ``refshare_evictions``, ``refshare_by_value``, ``refshare_put_calls`` and
+    ``refshare_unkeyed``, counted
     from the moment they are on.
     """
     global _metrics
@@ -96,6 +100,10 @@ def record_by_value() -> None:
 
 def record_put_call() -> None:
     _add(_PUT_CALLS)
+
+
+def record_unkeyed() -> None:
+    _add(_UNKEYED)
 
 
 def stats() -> Stats:
