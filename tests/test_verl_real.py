@@ -62,7 +62,7 @@ class TaskRunner:
             refs = parallel_put(chunks, max_workers=2)
             totals.append(ray.get(group.execute_all_async("total", refs)))
         broadcast = ray.get(group.execute_all_async("total", big))  # by value, one-to-all
-        return totals, broadcast, tuple(refshare.stats()), refshare.is_installed()
+        return totals, broadcast, refshare.stats()._asdict(), refshare.is_installed()
 
 
 @pytest.mark.usefixtures("ray_with_setup_hook")
@@ -74,7 +74,7 @@ def test_worker_setup_enables_verl_inside_a_controller_actor() -> None:
     totals, broadcast, stats, installed = ray.get(runner.step.remote(members, chunks, big))
     expected = [float(c.sum()) for c in chunks]
     assert totals == [expected] * 3 and broadcast == [float(big.sum())] * N
-    puts, hits, *_rest, put_calls = stats
+    puts, hits, put_calls = stats["puts"], stats["hits"], stats["put_calls"]
     assert installed and put_calls == 3 * N
     assert puts == N + 1  # each chunk once for the three groups, the broadcast once
     assert hits == 2 * N + N - 1
