@@ -310,14 +310,9 @@ class Scope:
         their bytes), a value with pickling of its own (a ``DataProto``) as Ray pickles it."""
         cls = type(value)
         plain = _leaf_digests.exact(cls) is not None or runs_own_pickling(cls)
-        stored = value if plain else PickleOnPut(value)
-        try:
-            ref = raw_put(stored_form(stored))
-        except Exception:
-            logger.debug("ray.put failed; sending by value", exc_info=True)
-            _stats.record_by_value()
+        ref = put_counted(value if plain else PickleOnPut(value), nbytes)
+        if ref is None:
             return fallback
-        _stats.record_put(nbytes)
         _stats.record_unkeyed()
         return ref
 
@@ -348,20 +343,28 @@ class Scope:
             return self.put_new(key, stored, nbytes, fallback)
 
     def put_new(self, key: Key, stored: Any, nbytes: int, fallback: Any) -> Any:
-        try:
-            ref = raw_put(stored_form(stored))
-        except Exception:
-            # Ray by value gives the user the error they would get without refshare.
-            logger.debug("ray.put failed; sending by value", exc_info=True)
-            _stats.record_by_value()
+        ref = put_counted(stored, nbytes)
+        if ref is None:
             return fallback
-        _stats.record_put(nbytes)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("put  %d bytes, key %s", nbytes, key.hex()[:12])
         if self.cache is not None:
             ref = self.cache.setdefault(key, ref, nbytes)
         self.local[key] = ref
         return ref
+
+
+def put_counted(stored: Any, nbytes: int) -> Any:
+    """``ray.put`` of :func:`stored_form` of ``stored``, counted as a put; ``None`` if Ray
+    refused it: the caller then sends by value, so the user gets Ray's own error."""
+    try:
+        ref = raw_put(stored_form(stored))
+    except Exception:
+        logger.debug("ray.put failed; sending by value", exc_info=True)
+        _stats.record_by_value()
+        return None
+    _stats.record_put(nbytes)
+    return ref
 
 
 class PickleOnPut:
