@@ -371,6 +371,31 @@ def rounds(
     return records
 
 
+def timed_then_held(
+    setup: Setup,
+    what: str,
+    strategies: Sequence[str],
+    config: Config,
+    turn: Callable[..., tuple[T, Peak]],
+    line: Callable[[T], str],
+    record: Callable[[T], Any],
+) -> dict[str, Any]:
+    """``config.reps`` interleaved rounds of ``turn`` (see :func:`rounds`), then one held
+    turn per strategy: each strategy's timed records and held record, written out with
+    ``record``, and its peak store use while held."""
+    records = rounds(what, strategies, config, lambda s: turn(s)[0], line)
+    holds = {s: turn(s, config.hold_s, True) for s in strategies}
+    reset(setup)
+    return {
+        s: {
+            "timed": [record(r) for r in records[s]],
+            "held": record(holds[s][0]),
+            "peak": holds[s][1],
+        }
+        for s in strategies
+    }
+
+
 def run_broadcast(setup: Setup, config: Config) -> dict[str, Any]:
     """The broadcast, every strategy ``config.reps`` times interleaved, then once held."""
     x = np.random.default_rng(1).random(config.broadcast_bytes // 8)
@@ -392,15 +417,15 @@ def run_broadcast(setup: Setup, config: Config) -> dict[str, Any]:
 
         return held(setup, one) if full else (one(), None)
 
-    records = rounds(
+    strategies = timed_then_held(
+        setup,
         "broadcast",
         BROADCAST_STRATEGIES,
         config,
-        lambda s: turn(s)[0],
+        turn,
         lambda r: f"{r.moved / MiB:.1f} MiB {ms(r.seconds)} ms",
+        asdict,
     )
-    holds = {s: turn(s, config.hold_s, full=True) for s in BROADCAST_STRATEGIES}
-    reset(setup)
     size_ref = ray.put(x)
     object_bytes = counters.locations([size_ref])[size_ref][1]
     del size_ref
@@ -408,14 +433,7 @@ def run_broadcast(setup: Setup, config: Config) -> dict[str, Any]:
     return {
         "nbytes": x.nbytes,
         "object_bytes": object_bytes,
-        "strategies": {
-            s: {
-                "timed": [asdict(r) for r in records[s]],
-                "held": asdict(holds[s][0]),
-                "peak": holds[s][1],
-            }
-            for s in BROADCAST_STRATEGIES
-        },
+        "strategies": strategies,
     }
 
 
@@ -480,15 +498,15 @@ def run_batch(setup: Setup, config: Config) -> dict[str, Any]:
 
         return held(setup, calls) if full else (calls(), None)
 
-    records = rounds(
+    strategies = timed_then_held(
+        setup,
         "batch",
         BATCH_STRATEGIES,
         config,
-        lambda s: step(s)[0],
+        step,
         lambda one: f"{sum(r.moved for r in one.values()) / MiB:.1f} MiB",
+        lambda one: {c: asdict(r) for c, r in one.items()},
     )
-    holds = {s: step(s, config.hold_s, full=True) for s in BATCH_STRATEGIES}
-    reset(setup)
     return {
         "rows": config.rows,
         "seq": config.seq,
@@ -497,14 +515,7 @@ def run_batch(setup: Setup, config: Config) -> dict[str, Any]:
             for (name, added), b in zip(CALLS, batches, strict=True)
         ],
         "distinct_bytes": _nbytes(data),
-        "strategies": {
-            s: {
-                "timed": [{c: asdict(r) for c, r in one.items()} for one in records[s]],
-                "held": {c: asdict(r) for c, r in holds[s][0].items()},
-                "peak": holds[s][1],
-            }
-            for s in BATCH_STRATEGIES
-        },
+        "strategies": strategies,
     }
 
 
@@ -892,14 +903,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel(f"copies of S ({size_label(bc['nbytes'])})")
     ax.set_title("broadcast: bytes copied between nodes per call")
 
-    _grouped(
-        axes[0, 1],
-        labels,
-        BROADCAST_STRATEGIES,
-        colors,
-        lambda s, label: bc["strategies"][s]["peak"][label] / size,
-    )
-    axes[0, 1].set_ylabel("copies of S")
+    _peaks(axes[0, 1], labels, bc, BROADCAST_STRATEGIES, colors, size, "copies of S")
     axes[0, 1].set_title("broadcast: peak store use per node while tasks run")
 
     ax = axes[1, 0]
@@ -916,14 +920,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.tick_params(axis="x", labelrotation=20)
     ax.legend(fontsize="small")
 
-    _grouped(
-        axes[1, 1],
-        labels,
-        BATCH_STRATEGIES,
-        colors,
-        lambda s, label: batch["strategies"][s]["peak"][label] / MiB,
-    )
-    axes[1, 1].set_ylabel("MiB")
+    _peaks(axes[1, 1], labels, batch, BATCH_STRATEGIES, colors, MiB, "MiB")
     axes[1, 1].set_title("growing batch: peak store use per node over a step")
     axes[1, 1].legend(fontsize="small")
     fig.suptitle(
@@ -935,22 +932,26 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _grouped(
+def _peaks(
     ax: Any,
     labels: Sequence[str],
+    workload: dict[str, Any],
     strategies: Sequence[str],
     colors: dict[str, str],
-    value: Callable[[str, str], float],
+    unit: float,
+    ylabel: str,
 ) -> None:
-    """Bars grouped by node, one per strategy."""
+    """A workload's peak store use per node, in ``unit`` bytes: bars grouped by node, one
+    per strategy."""
     width = 0.8 / len(strategies)
     for i, s in enumerate(strategies):
+        peak = workload["strategies"][s]["peak"]
         xs = [j + (i - (len(strategies) - 1) / 2) * width for j in range(len(labels))]
-        ax.bar(
-            xs, [value(s, label) for label in labels], width, color=colors[s], label=STRATEGIES[s]
-        )
+        ys = [peak[label] / unit for label in labels]
+        ax.bar(xs, ys, width, color=colors[s], label=STRATEGIES[s])
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels)
+    ax.set_ylabel(ylabel)
 
 
 # -- command line -------------------------------------------------------------------------------
