@@ -25,11 +25,15 @@ SCALAR_BYTES = 8
 _SCALARS = (int, float, complex, bool, type(None))
 
 
+def _ndarray_size(a: Any) -> int:
+    # An array of Python objects pickles each object: it is sized by walking them.
+    return -1 if a.dtype.hasobject else int(a.nbytes)
+
+
 def _numpy_sizes(table: TypeTable[SizeFn]) -> None:
     import numpy as np
 
-    # An array of Python objects pickles each object: it is sized by walking them.
-    table.register(np.ndarray, lambda a: -1 if a.dtype.hasobject else int(a.nbytes), replace=False)
+    table.register(np.ndarray, _ndarray_size, replace=False)
     table.register(np.generic, lambda s: int(s.nbytes), replace=False)
 
 
@@ -79,6 +83,23 @@ def _leaf_size(obj: object) -> int | None:
     return None if found < 0 else found
 
 
+def _arrays_nbytes(items: Any) -> int | None:
+    """The bytes of a list or tuple of numeric numpy arrays (shards, say) in one tight loop,
+    as the walk would count them; ``None`` for anything else."""
+    numpy = sys.modules.get("numpy")
+    ndarray = getattr(numpy, "ndarray", None)
+    if type(items) not in (list, tuple) or not items or type(items[0]) is not ndarray:
+        return None
+    if _sizes.lookup(ndarray) is not _ndarray_size:  # a size of the program's own
+        return None
+    total = 0
+    for arr in items:
+        if type(arr) is not ndarray or arr.dtype.hasobject:
+            return None
+        total += arr.nbytes
+    return total
+
+
 _slots: dict[type, tuple[str, ...]] = {}
 
 
@@ -123,7 +144,12 @@ class _Sizing:
         if isinstance(obj, dict):
             self.add_members(obj.values(), len(obj))
         elif isinstance(obj, (list, tuple, set, frozenset)):
-            self.add_members(obj, len(obj))
+            arrays = _arrays_nbytes(obj) if len(obj) <= self.budget else None
+            if arrays is None:
+                self.add_members(obj, len(obj))
+            else:
+                self.budget -= len(obj)
+                self.total += arrays
         elif isinstance(obj, memoryview):
             self.total += obj.nbytes
         elif getattr(getattr(obj, "dtype", None), "hasobject", False):  # numpy, of objects

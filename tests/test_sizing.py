@@ -45,7 +45,7 @@ def test_containers_and_objects_sum_their_members() -> None:
 
 
 def test_size_estimate_stops_early() -> None:
-    many = [np.zeros(1000, dtype=np.uint8) for _ in range(1000)]
+    many = [b"x" * 1000 for _ in range(1000)]
     assert 10_000 <= estimate_size(many, limit=10_000) < 12_000
     huge = list(range(2_000_000))
     start = time.perf_counter()
@@ -55,3 +55,35 @@ def test_size_estimate_stops_early() -> None:
     assert size == 2_000_000 * refshare._sizing.SCALAR_BYTES
     nested = [[1.0] * 100 for _ in range(10_000)]  # a million floats, in lists of 100
     assert 0.8e6 * 8 <= estimate_size(nested) <= 1.2e6 * 8
+
+
+def test_a_list_of_arrays_is_summed_as_the_walk_would() -> None:
+    shards = [np.zeros(n, dtype=np.float32) for n in (1000, 2000, 3000)]
+    assert estimate_size(shards) == 24_000
+    assert estimate_size(tuple(shards), limit=100) == 24_000  # summed whole, not stopped
+    assert refshare._sizing.measure(shards, limit=100) == (24_000, True)
+    # An array of objects among them: walked, its strings counted.
+    mixed = [*shards, np.array(["ab", "cd"], dtype=object)]
+    assert estimate_size(mixed) == 24_004
+    # The same array twice is sent twice, so it counts twice (as in any list).
+    assert estimate_size([shards[0], shards[0]]) == 8_000
+
+
+def test_a_registered_array_size_is_honoured_in_lists() -> None:
+    class Tagged(np.ndarray):
+        pass
+
+    plain = np.zeros(100, dtype=np.uint8)
+    tagged = plain.view(Tagged)
+    refshare.register_size(Tagged, lambda a: 7)
+    assert estimate_size([plain, tagged]) == 107  # a subclass: each member on its own
+
+
+def test_a_size_registered_for_ndarray_itself_is_used_in_lists() -> None:
+    arrays = [np.zeros(100, dtype=np.uint8), np.zeros(200, dtype=np.uint8)]
+    refshare.register_size(np.ndarray, lambda a: 2 * a.nbytes)
+    try:
+        assert estimate_size(arrays) == 600
+    finally:
+        refshare.register_size(np.ndarray, refshare._sizing._ndarray_size)
+    assert estimate_size(arrays) == 300
