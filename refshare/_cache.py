@@ -56,7 +56,7 @@ class RefCache:
     def max_bytes(self) -> int:
         """The budget in bytes (resolved from the object store if none was given)."""
         if self._max_bytes is None:
-            return _default_budget()
+            return default_budget()
         return self._max_bytes
 
     @property
@@ -134,15 +134,26 @@ class RefCache:
                     self._session = session
 
 
-_budget: tuple[object, int] | None = None
+_store: tuple[object, int | None] | None = None
 
 
-def _default_budget() -> int:
-    """A quarter of the local node's object store, read once per Ray session."""
-    global _budget
+def local_store_bytes() -> int | None:
+    """The size of the local node's object store, read once per Ray session (``None`` when
+    it cannot be read)."""
+    global _store
     session = current_session()
-    if _budget is None or _budget[0] != session:
-        store: int | None = local_object_store_bytes() if session is not None else None
-        size = int(store * DEFAULT_STORE_FRACTION) if store else FALLBACK_MAX_BYTES
-        _budget = (session, size)
-    return _budget[1]
+    if _store is None or _store[0] != session:
+        _store = (session, local_object_store_bytes() if session is not None else None)
+    return _store[1]
+
+
+def default_budget() -> int:
+    """A quarter of the local node's object store."""
+    store = local_store_bytes()
+    return int(store * DEFAULT_STORE_FRACTION) if store else FALLBACK_MAX_BYTES
+
+
+def scope_budget() -> int:
+    """What one scope may keep of the values it sent: the local object store's size (what
+    could be in flight at once), whatever the cache's budget."""
+    return local_store_bytes() or int(FALLBACK_MAX_BYTES / DEFAULT_STORE_FRACTION)

@@ -15,7 +15,7 @@ import wrapt
 from ray import ObjectRef
 
 from . import _admission, _serialized, _stats
-from ._cache import RefCache
+from ._cache import RefCache, scope_budget
 from ._deep import Skeleton, ship_bootstrap_by_value, split
 from ._fingerprint import Key, Memo, _leaf_digests, identify, runs_own_pickling
 from ._patch import (
@@ -137,11 +137,17 @@ class Scope:
     the value exceeds the cache budget; ``pending`` makes threads that miss one key at once
     wait for one put; ``unkeyed`` holds the values put without keying (see ``_admission``),
     so that one sent again within the call makes its kind keyed again.
+
+    All of these hold what the scope sent: its values, and through ``local`` their copies in
+    the object store. A long block (a training loop inside ``sharing()``) would hold every
+    batch it sent, so once the distinct values a scope keeps pass the size of the object
+    store, it forgets them (see :meth:`retain`); the cache keeps what repeats.
     """
 
     __slots__ = (
         "cache",
         "deep",
+        "held",
         "local",
         "memo",
         "min_bytes",
@@ -166,6 +172,7 @@ class Scope:
         self.pickled = StampedMemo()
         self.local: dict[Key, Any] = {}
         self.unkeyed: dict[int, Any] = {}
+        self.held = 0
         self.session: tuple[str, str] | None = None
 
     def rewrite(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -290,6 +297,7 @@ class Scope:
         kind = _admission.kind(value, nbytes)
         if admission is not None and not admission.keyed(kind):
             if self.unkeyed.get(id(value)) is not value:
+                self.retain(nbytes)
                 self.unkeyed[id(value)] = value  # held: its id is not recycled meanwhile
                 return self.put_unkeyed(value, nbytes, fallback)
             admission.record(kind, hit=True)  # sent again within this call: it repeats
@@ -322,7 +330,9 @@ class Scope:
         if ref is None and self.cache is not None:
             ref = self.cache.get(key)
         if ref is not None:
-            self.local[key] = ref
+            if key not in self.local:
+                self.retain(nbytes)
+                self.local[key] = ref
             _stats.record_hit(nbytes)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("hit  %d bytes, key %s", nbytes, key.hex()[:12])
@@ -350,8 +360,23 @@ class Scope:
             logger.debug("put  %d bytes, key %s", nbytes, key.hex()[:12])
         if self.cache is not None:
             ref = self.cache.setdefault(key, ref, nbytes)
+        self.retain(nbytes)
         self.local[key] = ref
         return ref
+
+    def retain(self, nbytes: int) -> None:
+        """Count a distinct value of ``nbytes`` this scope now keeps. Past the size of the
+        object store (more than could be in flight at once), forget everything kept so far:
+        a value sent again is then keyed again and found in the cache, or put again."""
+        if self.held and self.held + nbytes > scope_budget():
+            self.memo.clear()
+            self.pickled.clear()
+            self.splits.clear()
+            self.local.clear()
+            self.unkeyed.clear()
+            self.pending.clear()
+            self.held = 0
+        self.held += nbytes
 
 
 def put_counted(stored: Any, nbytes: int) -> Any:

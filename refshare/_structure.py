@@ -127,6 +127,9 @@ class StampedMemo:
         stamp = structure_stamp(value)
         return entry[2] if stamp is not None and stamp[0] == entry[1][0] else None
 
+    def clear(self) -> None:
+        self.entries.clear()
+
     def keep(self, value: object, result: Any) -> None:
         stamp = structure_stamp(value)
         if stamp is not None:

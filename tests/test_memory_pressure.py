@@ -4,6 +4,7 @@ the cache stays within budget and evicts, and every worker still receives the ri
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,3 +121,20 @@ def test_the_process_cache_takes_a_quarter_of_this_store(group: list[Any]) -> No
         assert cache.nbytes <= cache.max_bytes == STORE // 4
     assert refshare.stats().evictions == 8 - (STORE // 4) // ITEM
     assert_cache_consistent(cache)
+
+
+def test_a_long_block_keeps_no_more_than_the_store_of_what_it_sent(group: list[Any]) -> None:
+    """A training loop inside one ``sharing()`` block sends a new batch each step and drops
+    it: once the values the scope keeps pass the object store's size, it forgets them, so
+    neither the driver's memory nor the store fills with every batch ever sent."""
+    sent = []
+    with refshare.sharing(cache=refshare.RefCache(max_bytes=BUDGET)):
+        for marker in range(30):  # 480 MiB in all: 2.4 object stores
+            data = marked(300 + marker, ITEM)
+            sent.append(weakref.ref(data))
+            assert ray.get(group[0].apply.remote(summary, data), timeout=60) == summary(data)
+            del data
+        gc.collect()
+        alive = sum(ref() is not None for ref in sent)
+    assert 1 <= alive <= STORE // ITEM + 1, alive
+    assert refshare.stats().puts == 30

@@ -146,3 +146,20 @@ def test_concurrent_asyncio_tasks_keep_their_own_scopes() -> None:
     results = asyncio.run(main())
     assert [r[0][0][5] for r in results] == [50_000.0 * i for i in range(8)]
     assert refshare.stats().puts == 8
+
+
+@ray.remote(num_cpus=0.1)
+def total(x: np.ndarray) -> float:
+    return float(x.sum())
+
+
+@pytest.mark.usefixtures("local_ray", "fresh")
+def test_a_value_over_the_budget_is_still_put_once_per_call() -> None:
+    value = np.ones(4 << 17)  # 4 MiB, with a cache of 1 MiB: never cached
+    cache = refshare.RefCache(max_bytes=1 << 20)
+    with refshare.sharing(cache=cache):
+        sums = ray.get([total.remote(value) for _ in range(4)])
+    assert sums == [float(value.size)] * 4
+    stats = refshare.stats()
+    assert (stats.puts, stats.hits) == (1, 3), stats
+    assert len(cache) == 0
