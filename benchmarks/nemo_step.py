@@ -18,7 +18,7 @@ compute the new key cheaply. Strategies, interleaved per step: **plain**, **refs
 **deep** (``deep=True``), both as ``refshare.patch_methods`` of the four ``run_*`` names,
 which is what ``refshare.enable("nemo_rl")`` wraps.
 
-    python benchmarks/nemo_step.py           # about a minute
+    python benchmarks/nemo_step.py           # about 3 minutes
     python benchmarks/nemo_step.py --smoke   # tiny batch: seconds
 """
 
@@ -59,7 +59,7 @@ class Config:
 
 
 MODES = {
-    "full": Config("full", 256, 2048, steps=21, warmup=2, store_bytes=2 << 30),
+    "full": Config("full", 256, 2048, steps=61, warmup=2, store_bytes=2 << 30),  # see rl_step
     "quick": Config("quick", 256, 2048, steps=9, warmup=1, store_bytes=1 << 30),
     "smoke": Config("smoke", 16, 2048, steps=2, warmup=1, store_bytes=128 * MiB),
 }
