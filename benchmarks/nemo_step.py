@@ -16,7 +16,8 @@ call: ``get_logprobs`` (then ``prev_logprobs``), ``get_reference_policy_logprobs
 ``reference_policy_logprobs``), ``train``. Workers only checksum what they received and
 compute the new key cheaply. Strategies, interleaved per step: **plain**, **refshare** and
 **deep** (``deep=True``), both as ``refshare.patch_methods`` of the four ``run_*`` names,
-which is what ``refshare.enable("nemo_rl")`` wraps.
+which is what ``refshare.enable("nemo_rl")`` wraps; and **plain again**, NeMo-RL untouched
+timed once more, whose ratio to plain is the run's own noise.
 
     python benchmarks/nemo_step.py           # about 3 minutes
     python benchmarks/nemo_step.py --smoke   # tiny batch: seconds
@@ -156,7 +157,7 @@ def run_step(group: RayWorkerGroup, data: BatchedDataDict, strategy: str, sharin
     if not turn.received[0] == turn.received[1] != turn.received[2] == turn.received[3]:
         raise RuntimeError("the TP ranks of a DP rank should receive the same shards, and only")
     turn.distinct = sum(v.nbytes for v in data.values())
-    if strategy != "plain":
+    if strategy not in bench.UNTOUCHED:
         turn.stored = turn.counts["step"]["bytes_put"]
         return turn
     # What plain stores, counted now (untimed): each DP shard once per call, by NeMo-RL's puts.
@@ -201,8 +202,9 @@ def report(results: dict[str, Any]) -> str:
         f"Ray: one local session, `ray.init(num_cpus=2, object_store_memory="
         f"{c['store_bytes'] // MiB} MiB)`, {WORLD} workers of {ACTOR_CPUS} CPU "
         f"(dp {DP} {bench.TIMES} tp {WORLD // DP}), store warmed before timing. "
-        f"{c['steps']} timed steps after {c['warmup']} untimed, the three strategies "
-        "interleaved (each leads in turn); each turn gets its own copy of the step's batch, "
+        f"{c['steps']} timed steps after {c['warmup']} untimed, the four strategies "
+        "interleaved (each leads in turn; plain runs twice, the second time as the control); "
+        "each turn gets its own copy of the step's batch, "
         "new content every step.",
         "",
         f"Batch: a `BatchedDataDict` of {c['batch']} sequences: {', '.join(INT_KEYS)} "
@@ -219,7 +221,7 @@ def report(results: dict[str, Any]) -> str:
             r["summary"], {"step": "**whole step**"}, r["goals"], "Goals (the RL-step ones)"
         ),
         f"- Checksums of every shard each worker received, every step: "
-        f"{'identical under all three strategies' if same else 'DIFFER'}.",
+        f"{'identical under every strategy' if same else 'DIFFER'}.",
         "",
         "Times include sharding (NeMo-RL copies each shard's rows), puts, serialization, "
         "transfer, the workers' checksum and gathering (`from_batches`). Every call's shards "

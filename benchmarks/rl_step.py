@@ -16,8 +16,10 @@ workers for their DP ranks on a mesh's first use and ``parallel_put``s one chunk
 whose two TP ranks get the same ref. Strategies, interleaved per step: **plain**,
 **refshare** (top-level) and **deep** (``deep=True``): on dp, ``patch_methods`` of
 ``execute_all_async``; on nd, ``refshare.enable("verl")`` (``execute_all_async`` and
-``parallel_put``; the same two on the mirror). Backends: **verl** (its ``RayWorkerGroup`` and
-``@register`` on a CPU resource pool) and **mirror** (``_verl_mirror.py``, no verl).
+``parallel_put``; the same two on the mirror); and **plain again**, the framework untouched
+timed once more, whose ratio to plain is the run's own noise. Backends: **verl** (its
+``RayWorkerGroup`` and ``@register`` on a CPU resource pool) and **mirror**
+(``_verl_mirror.py``, no verl).
 
     python benchmarks/rl_step.py --backend verl --dispatch nd   # about 3 minutes
     python benchmarks/rl_step.py --smoke                        # tiny batch: seconds
@@ -247,7 +249,7 @@ def run_step(backend: Backend, batch: Any, weights: torch.Tensor, strategy: str)
     if len({tuple(r) for r in turn.received}) != backend.chunks:  # nd: TP ranks get the same
         raise RuntimeError(f"expected {backend.chunks} different chunks per call: {turn.received}")
     turn.distinct = weights.nbytes + sum(t.nbytes for t in batch.batch.values())
-    if strategy != "plain":
+    if strategy not in bench.UNTOUCHED:
         turn.stored = turn.counts["step"]["bytes_put"]
         return turn
     # What plain stores, counted now (untimed): the broadcast by value once per worker; each
@@ -310,9 +312,9 @@ def report(results: dict[str, Any]) -> str:
     lines += [
         f"Ray: one local session, `ray.init(num_cpus=2, object_store_memory="
         f"{c['store_bytes'] // MiB} MiB)`, {WORLD} workers of {ACTOR_CPUS} CPU, store warmed "
-        f"before timing. {c['steps']} timed steps after {c['warmup']} untimed, the three "
-        "strategies interleaved (each leads in turn); each turn gets its own copy of the step's "
-        "batch, new content every step.",
+        f"before timing. {c['steps']} timed steps after {c['warmup']} untimed, the four "
+        "strategies interleaved (each leads in turn; plain runs twice, the second time as the "
+        "control); each turn gets its own copy of the step's batch, new content every step.",
         "",
         f"Batch: {batch} sequences; input_ids, attention_mask, position_ids [{batch}, {seq}] "
         f"int64; responses, response_mask [{batch}, {resp}] int64; uid strings. Each compute "
@@ -334,7 +336,7 @@ def report(results: dict[str, Any]) -> str:
             "",
             *bench.step_report(r["summary"], {"step": "**whole step**"}, r["goals"]),
             f"- Checksums of everything each worker received, every step: "
-            f"{'identical under all three strategies' if same else 'DIFFER'}.",
+            f"{'identical under every strategy' if same else 'DIFFER'}.",
             f"- Without the broadcast (stored once, then found every step), the distinct bytes "
             f"are {fresh / MiB:.1f} MiB a step; deep stored {deep / fresh:.2f}{bench.TIMES} that.",
             f"- The broadcast hit the cache in every timed step (0 puts, {WORLD} hits): "
