@@ -31,8 +31,9 @@ NEVER, PROMISED, ALWAYS = 0, 1, 2
 #: A stamp that changes when an object changes, and how far the object can be trusted not
 #: to change; ``None`` where refshare has no cheap way to tell.
 Stamp = tuple[object, int] | None
-#: What the per-call memo holds for one object: the object itself (so its ``id()`` cannot be
-#: recycled while the memo lives), a stamp that changes when it is mutated, and its digest.
+#: What the per-call memo holds for one object: the object itself, or the tensor a view
+#: views (held, so that no ``id()`` or memory is recycled while the memo lives), a stamp
+#: that changes when it is mutated, and its digest.
 MemoEntry = tuple[object, object, Key]
 #: Keyed by ``id(obj)``, or by a tuple naming what was hashed (a tensor's own elements, a
 #: storage several views share).
@@ -369,6 +370,14 @@ def _ndarray_digest(arr: Any, memo: Memo | None, reuse: bool) -> Key | None:
     return leaf_digest(arr, _digest_ndarray, memo, reuse)
 
 
+def _base(t: Any) -> Any:
+    """The tensor whose memory ``t`` views (``t`` itself if it is no view): what a digest
+    of its memory is kept against, so that a view made anew (a batch chunked again, on
+    each call) finds it."""
+    base = t._base
+    return t if base is None else base
+
+
 def _tensor_digest(t: Any, memo: Memo | None, reuse: bool) -> Key | None:
     """What pickling a CPU tensor sends: its whole storage, offset, size and stride.
 
@@ -376,16 +385,19 @@ def _tensor_digest(t: Any, memo: Memo | None, reuse: bool) -> Key | None:
     _check_tensor(t)
     storage = t.untyped_storage()
     nbytes = storage.nbytes()
-    body = leaf_digest(
-        t, _digest_storage, memo, reuse, ("storage", storage.data_ptr(), nbytes), _storage_stamp
-    )
+    key = ("storage", storage.data_ptr(), nbytes)
+    body = leaf_digest(t, _digest_storage, memo, reuse, key, _storage_stamp, _base(t))
     return None if body is None else _combine(_tensor_head(t, nbytes), body)
 
 
 def _elements_digest(wrapper: TensorElements, memo: Memo | None, reuse: bool) -> Key | None:
+    """A tensor's own elements; the same rows of one base, viewed again, are hashed once."""
     t = wrapper.tensor
     _check_tensor(t)
-    return leaf_digest(t, _digest_elements, memo, reuse, ("elements", id(t)), _elements_stamp)
+    base = _base(t)
+    layout = (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
+    key = ("elements", id(base), layout, t.is_conj(), t.is_neg())
+    return leaf_digest(t, _digest_elements, memo, reuse, key, _elements_stamp, base)
 
 
 def _numpy_digests(table: TypeTable[DigestFn]) -> None:
@@ -616,6 +628,7 @@ def leaf_digest(
     reuse: bool = False,
     memo_key: object = None,
     stamp_fn: Callable[[Any], Stamp] | None = None,
+    anchor: object = None,
 ) -> Key | None:
     """Digest ``obj`` with ``leaf``, reusing an earlier digest where that is safe.
 
@@ -628,6 +641,9 @@ def leaf_digest(
     Bytes and strings are immutable but cannot be weakly referenced, so they are hashed
     each time they are seen. ``memo_key`` (default ``id(obj)``) and ``stamp_fn`` name
     another digest of the same object: a tensor's storage, or its own elements.
+    ``anchor`` (default ``obj``) is the object the digest is kept against, held or weakly
+    referenced so that its memory cannot be freed and reused unseen: for a view, the
+    tensor it views, so that the same memory viewed again is found.
     """
     if stamp_fn is None:
         stamp_fn = _stamps.exact(type(obj))
@@ -635,6 +651,8 @@ def leaf_digest(
         return leaf(obj)
     if memo_key is None:
         memo_key = id(obj)
+    if anchor is None:
+        anchor = obj
     if (memo is None or memo_key not in memo) and memo_key not in _seen:
         # Seen for the first time: hash first, then stamp while the memory is still in the
         # cache. Stamped first, the spot check of cold memory cost as much as the hash.
@@ -642,7 +660,7 @@ def leaf_digest(
         if digest is not None:
             stamped = stamp_fn(obj)
             if stamped is not None:
-                _keep(memo, memo_key, obj, stamped, digest, reuse)
+                _keep(memo, memo_key, anchor, stamped, digest, reuse)
         return digest
     stamped = stamp_fn(obj)
     if stamped is None:
@@ -650,30 +668,30 @@ def leaf_digest(
     stamp, trust = stamped
     if memo is not None:
         entry = memo.get(memo_key)
-        if entry is not None and entry[0] is obj and entry[1] == stamp:
+        if entry is not None and entry[0] is anchor and entry[1] == stamp:
             return entry[2]
     if trust == ALWAYS or (reuse and trust == PROMISED):
         seen = _seen.get(memo_key)
-        if seen is not None and seen[0]() is obj and seen[1] == stamp:
+        if seen is not None and seen[0]() is anchor and seen[1] == stamp:
             if memo is not None:
-                memo[memo_key] = (obj, stamp, seen[2])
+                memo[memo_key] = (anchor, stamp, seen[2])
             return seen[2]
     digest = leaf(obj)
     if digest is not None:
-        _keep(memo, memo_key, obj, stamped, digest, reuse)
+        _keep(memo, memo_key, anchor, stamped, digest, reuse)
     return digest
 
 
 def _keep(
-    memo: Memo | None, memo_key: object, obj: object, stamped: Any, digest: Key, reuse: bool
+    memo: Memo | None, memo_key: object, anchor: object, stamped: Any, digest: Key, reuse: bool
 ) -> None:
-    """Keep ``obj``'s digest under its stamp: for this call, and across calls where the
-    object can be trusted not to change."""
+    """Keep a digest under its stamp, against ``anchor``: for this call, and across calls
+    where the object can be trusted not to change."""
     stamp, trust = stamped
     if memo is not None:
-        memo[memo_key] = (obj, stamp, digest)
+        memo[memo_key] = (anchor, stamp, digest)
     if trust == ALWAYS or (reuse and trust == PROMISED):
-        _remember(memo_key, obj, stamp, digest)
+        _remember(memo_key, anchor, stamp, digest)
 
 
 def _digest_array_list(items: list[Any] | tuple[Any, ...]) -> Key | None:

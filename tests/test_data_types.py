@@ -384,6 +384,33 @@ def test_a_tensor_changed_in_place_within_one_call_is_sent_anew(probes: list[Any
     )
 
 
+def test_a_batch_chunked_anew_for_each_call(
+    probes: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker group's dispatch chunks its batch on every call: new views of the same
+    tensor. Their storage is hashed once per call, and with reuse_fingerprints not again
+    on the next; a change in place through any view sends the new content."""
+    from test_fingerprint import count_hashing
+
+    torch = pytest.importorskip("torch")
+    batch = torch.zeros(N_PROBES * 128, 1024)  # each chunk pickles the whole storage
+
+    def dispatch() -> list[Any]:
+        chunks = batch.chunk(N_PROBES)
+        return ray.get([p.describe.remote(c) for p, c in zip(probes, chunks, strict=True)])
+
+    shared = refshare.shared_args(reuse_fingerprints=True)(dispatch)
+    hashed, counts = count_hashing(monkeypatch), []
+    for step in range(3):
+        before, start = refshare.stats(), len(hashed)
+        assert shared() == dispatch()
+        after = refshare.stats()
+        counts.append((after.puts - before.puts, after.hits - before.hits, len(hashed) - start))
+        if step == 1:
+            batch.chunk(N_PROBES)[-1].fill_(1.0)  # the last rows, through a view of them
+    assert counts == [(N_PROBES, 0, 1), (0, N_PROBES, 0), (N_PROBES, 0, 1)]
+
+
 # -- a registered user type ---------------------------------------------------------------
 
 

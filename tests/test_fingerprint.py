@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -209,6 +211,60 @@ def test_tensor_keys_follow_storage_layout_and_version() -> None:
     t.add_(1)  # in place: the version counter moves, so reuse hashes again
     assert fingerprint(t, reuse=True) != before
     assert fingerprint(torch.nn.Parameter(t.float())) != fingerprint(t.float())
+
+
+def count_hashing(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Which of refshare's tensor hashes ran: a tensor's whole storage, or its own elements."""
+    ran: list[str] = []
+    for name in ("_digest_storage", "_digest_elements"):
+        real = getattr(refshare._fingerprint, name)
+
+        def counted(t: object, real: Any = real, name: str = name) -> Any:
+            ran.append(name)
+            return real(t)
+
+        monkeypatch.setattr(refshare._fingerprint, name, counted)
+    return ran
+
+
+def test_views_of_one_tensor_hash_its_memory_once_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = pytest.importorskip("torch")
+    from refshare._fingerprint import Memo, TensorElements, identify
+
+    t = torch.randn(256, 1024)
+    expected = [fingerprint(chunk) for chunk in t.chunk(4)]
+    rows = [fingerprint(TensorElements(chunk)) for chunk in t.chunk(4)]
+    ran, memo = count_hashing(monkeypatch), Memo()
+    # Each chunk pickles t's whole storage: one call hashes it once, for all four.
+    assert [(identify(c, memo) or [None])[0] for c in t.chunk(4)] == expected
+    assert ran == ["_digest_storage"]
+    # Each chunk's own rows, once each, even when the batch is chunked again in the call.
+    ran.clear()
+    for _ in range(2):
+        assert [(identify(TensorElements(c), memo) or [None])[0] for c in t.chunk(4)] == rows
+    assert ran == ["_digest_elements"] * 4
+
+
+def test_reuse_finds_views_made_again_until_their_tensor_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = pytest.importorskip("torch")
+    from refshare._fingerprint import TensorElements
+
+    t = torch.randn(256, 1024)
+    first = fingerprint(TensorElements(t[:64]), reuse=True)
+    whole = fingerprint(t[:64], reuse=True)
+    ran = count_hashing(monkeypatch)
+    t.numpy()[0, 1] = -1.0  # behind torch's back, unread by the spot check: ruled out by reuse
+    assert fingerprint(TensorElements(t[:64]), reuse=True) == first  # a new view, not hashed
+    assert fingerprint(t[:64], reuse=True) == whole
+    assert ran == []
+    assert fingerprint(TensorElements(t[:64])) != first  # without reuse, the change is seen
+    t.add_(1)  # in place: the version counter, shared by every view, moves
+    assert fingerprint(TensorElements(t[:64]), reuse=True) not in (first, None)
+    assert fingerprint(t[:64], reuse=True) not in (whole, None)
 
 
 def test_tensors_off_the_cpu_are_neither_sized_nor_hashed() -> None:
