@@ -583,9 +583,10 @@ def shared_args(
         enabled: ``False`` makes the decorator a pass-through.
         reuse_fingerprints: also skip hashing, across calls, objects refshare hashed
             before and can tell are unchanged: torch tensors whose version counter has not
-            moved, and read-only numpy arrays that own their memory. (Arrays read-only down
-            to ``bytes`` or to Ray's object store, like those ``ray.get`` returns, are
-            skipped anyway: nothing can change them.) You promise not to change such memory
+            moved (and views of them made again, as a batch chunked anew on each call), and
+            read-only numpy arrays that own their memory. (Arrays read-only down to
+            ``bytes`` or to Ray's object store, like those ``ray.get`` returns, are skipped
+            anyway: nothing can change them.) You promise not to change such memory
             behind torch's or numpy's back (through ``.numpy()``/``.data``/DLPack views of a
             tensor, or by making a read-only array writeable again); refshare could then
             send the old content.
