@@ -31,12 +31,15 @@ def rebuild_tensor(
 ) -> Any:
     """A CPU tensor from its storage's bytes, as torch's own unpickling would give it: on a
     writable storage of its own, with the same offset, size, stride and requires_grad."""
+    import ctypes
+
     import numpy as np
     import torch
 
     source = np.frombuffer(data, dtype=np.uint8)
     storage = torch.empty(source.size, dtype=torch.uint8)
-    storage.numpy()[:] = source
+    if source.size:  # copied by address: through .numpy() torch could no longer resize it
+        ctypes.memmove(storage.data_ptr(), source.ctypes.data, source.size)
     tensor = torch.empty(0, dtype=dtype).set_(storage.untyped_storage(), offset, size, stride)
     return tensor.requires_grad_() if requires_grad else tensor
 

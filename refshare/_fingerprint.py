@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import pickle
 import sys
@@ -101,31 +100,44 @@ def _ndarray_layout(arr: Any) -> tuple[str, Any]:
     return "N", np.ascontiguousarray(arr).reshape(-1).view("u1")
 
 
-@functools.lru_cache(maxsize=256)
-def _dtype_token(dtype: Any) -> bytes:
-    """Equal dtypes, however spelled (``newbyteorder``, structured, subarray), pickle alike."""
-    return pickle.dumps(dtype, protocol=5)
+#: Tokens of builtin dtypes, by identity: ``id -> (dtype, token)``, the dtype held so that
+#: its id is not recycled. Only builtin dtypes are kept: they have no fields, no metadata and
+#: nothing that can be changed in place (a structured dtype's ``names`` can).
+_dtype_tokens: dict[int, tuple[Any, bytes]] = {}
 
 
-@functools.lru_cache(maxsize=256)
-def _ndarray_tag(dtype: Any) -> bytes:
-    return b"ndarray:" + _dtype_token(dtype)
+def dtype_token(dtype: Any) -> bytes:
+    """What Ray's pickling sends of ``dtype``: its pickle, exact where ``==`` is not (a dtype
+    with ``metadata``, an aligned or ``np.record`` struct compare equal to the plain one)."""
+    entry = _dtype_tokens.get(id(dtype))
+    if entry is not None and entry[0] is dtype:
+        return entry[1]
+    token = pickle.dumps(dtype, protocol=5)
+    if dtype.isbuiltin == 1:
+        if len(_dtype_tokens) >= 1024:
+            _dtype_tokens.clear()
+        _dtype_tokens[id(dtype)] = (dtype, token)
+    return token
 
 
-_heads: dict[tuple[Any, ...], bytes] = {}
+#: Heads of contiguous arrays' digests: ``(id(dtype), shape, order) -> (dtype, head)``, for
+#: builtin dtypes only (see ``_dtype_tokens``).
+_heads: dict[tuple[int, tuple[int, ...], str], tuple[Any, bytes]] = {}
 
 
 def _ndarray_head(dtype: Any, shape: tuple[int, ...], order: str) -> bytes:
     """What a contiguous array's digest starts with: its dtype, shape and order (kept, since
     a list of a thousand arrays usually has a handful of shapes)."""
-    found = _heads.get((dtype, shape, order))
-    if found is None:
+    key = (id(dtype), shape, order)
+    found = _heads.get(key)
+    if found is not None and found[0] is dtype:
+        return found[1]
+    head = b"ndarray:" + dtype_token(dtype) + repr((shape, order, None)).encode()
+    if dtype.isbuiltin == 1:
         if len(_heads) >= 4096:
             _heads.clear()
-        found = _heads[(dtype, shape, order)] = (
-            _ndarray_tag(dtype) + repr((shape, order, None)).encode()
-        )
-    return found
+        _heads[key] = (dtype, head)
+    return head
 
 
 def _digest_strings(arr: Any) -> Key | None:
@@ -155,7 +167,7 @@ def _digest_ndarray(arr: Any) -> Key | None:
             pass  # a dtype numpy exports no buffer for: through a byte view below
     order, flat = _ndarray_layout(arr)
     strides = arr.strides if order == "N" else None
-    head = xxhash.xxh3_128(_ndarray_tag(arr.dtype), SEED)
+    head = xxhash.xxh3_128(b"ndarray:" + dtype_token(arr.dtype), SEED)
     head.update(repr((arr.shape, order, strides)).encode())
     return _head_and_body(head, flat)
 
@@ -190,10 +202,28 @@ def _digest_storage(t: Any) -> Key:
 
 
 def _storage_bytes(t: Any) -> Any:
-    """The tensor's whole storage as a flat uint8 numpy array, without a copy."""
-    import torch
+    """The tensor's whole storage as a flat uint8 numpy array, without a copy.
 
-    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+    Read through the storage's address, not ``.numpy()``: that would mark the storage as
+    shared with numpy, which torch then refuses to resize, here and for the user."""
+    import numpy as np
+
+    return np.asarray(_StorageView(t.untyped_storage()))
+
+
+class _StorageView:
+    """A storage's memory as numpy sees it, holding the storage alive meanwhile."""
+
+    __slots__ = ("__array_interface__", "storage")
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+        self.__array_interface__ = {
+            "data": (storage.data_ptr(), False),
+            "shape": (storage.nbytes(),),
+            "typestr": "|u1",
+            "version": 3,
+        }
 
 
 def element_bytes(t: Any) -> Any:
@@ -268,6 +298,18 @@ def _spot_check(arr: Any) -> int:
     return xxhash.xxh3_64_intdigest(sample.view("u1").tobytes(), SEED)
 
 
+def _elements_of(flat: Any, itemsize: int) -> Any:
+    """A flat uint8 view as elements of ``itemsize`` bytes, so that a spot check compares
+    whole elements: a float32 going from 1.0 to 2.0 changes none of its sampled bytes at
+    the element's start."""
+    if itemsize == 1 or flat.size % itemsize:
+        return flat
+    return flat.view(_ELEMENT_CODES.get(itemsize) or f"V{itemsize}")
+
+
+_ELEMENT_CODES = {2: "u2", 4: "u4", 8: "u8"}
+
+
 #: Buffers nobody can write to: what an immutable array rests on.
 _IMMUTABLE_BUFFERS = frozenset({"builtins.bytes", "ray._raylet.Buffer", "ray._raylet.SubBuffer"})
 
@@ -277,18 +319,16 @@ def _array_trust(arr: Any) -> int:
 
     ``ALWAYS`` when it is read-only all the way down to an immutable buffer (``bytes``, or
     the object-store buffer under an array ``ray.get`` returned): numpy refuses to make any
-    array in that chain writeable again. ``PROMISED`` when it owns its memory and is marked
-    read-only: its owner could flip the flag back, which ``reuse_fingerprints`` rules out.
+    array in that chain writeable again. Any other array, ``NEVER``: one marked read-only
+    may still be written through a view made before, or made writeable again.
     """
     import numpy as np
 
     node = arr
     while True:
         if isinstance(node, np.ndarray):
-            if node.flags.writeable:
+            if node.flags.writeable or node.base is None:
                 return NEVER
-            if node.base is None:
-                return PROMISED
             node = node.base
         elif isinstance(node, memoryview):
             if not node.readonly:
@@ -303,23 +343,27 @@ def _array_trust(arr: Any) -> int:
 def _ndarray_stamp(arr: Any) -> Stamp:
     if arr.dtype.hasobject:
         return None
-    where = (arr.__array_interface__["data"][0], arr.shape, arr.strides, arr.dtype)
+    where = (arr.__array_interface__["data"][0], arr.shape, arr.strides, dtype_token(arr.dtype))
     return (where, _spot_check(arr)), _array_trust(arr)
 
 
-def _tensor_stamp(t: Any) -> Stamp:
-    """Torch's version counter catches its own in-place operations; the spot check, most
-    writes through ``.numpy()`` or ``.data`` views, which the counter does not see.
+def _tensor_trust(t: Any) -> int:
+    """``PROMISED`` for a tensor on memory torch allocated, whose version counter sees
+    torch's own writes through it and its views; ``NEVER`` for memory torch shares with
+    another owner (``torch.from_numpy``, ``frombuffer``, DLPack), written unseen."""
+    return PROMISED if t.untyped_storage().resizable() else NEVER
 
-    Tensors made under ``torch.inference_mode()`` have no version counter: their stamp is
-    the spot check alone, and their digest is kept within one call only."""
-    if t.device.type != "cpu" or t.layout is not _strided():
+
+def _tensor_stamp(t: Any) -> Stamp:
+    """Torch's version counter catches its own in-place operations; the spot check of its
+    elements, most writes through ``.numpy()`` or ``.data`` views, which the counter does
+    not see. A tensor made under ``torch.inference_mode()`` has no version counter, and so
+    no stamp: it is hashed each time it is sent."""
+    if t.device.type != "cpu" or t.layout is not _strided() or t.is_inference():
         return None
-    if t.is_inference():
-        where = (None, t.data_ptr(), tuple(t.shape), t.stride())
-        return (where, _spot_check(_storage_bytes(t))), NEVER
     where = (t._version, t.data_ptr(), tuple(t.shape), t.stride())
-    return (where, _spot_check(_storage_bytes(t))), PROMISED
+    spot = _spot_check(_elements_of(_storage_bytes(t), t.element_size()))
+    return (where, spot), _tensor_trust(t)
 
 
 def _elements_stamp(t: Any) -> Stamp:
@@ -328,19 +372,21 @@ def _elements_stamp(t: Any) -> Stamp:
     its parent's whole storage."""
     if not t.is_contiguous():
         return _tensor_stamp(t)
-    version = None if t.is_inference() else t._version
-    where = (version, t.data_ptr(), tuple(t.shape), t.stride())
-    return (where, _spot_check(element_bytes(t))), NEVER if version is None else PROMISED
+    if t.is_inference():
+        return None
+    where = (t._version, t.data_ptr(), tuple(t.shape), t.stride())
+    spot = _spot_check(_elements_of(element_bytes(t), t.element_size()))
+    return (where, spot), _tensor_trust(t)
 
 
 def _storage_stamp(t: Any) -> Stamp:
     """A storage is stamped through any tensor on it; views share its version counter."""
-    if t.device.type != "cpu":
+    if t.device.type != "cpu" or t.is_inference():
         return None
-    version = None if t.is_inference() else t._version
     storage = t.untyped_storage()
-    where = (version, storage.data_ptr(), storage.nbytes())
-    return (where, _spot_check(_storage_bytes(t))), NEVER if version is None else PROMISED
+    where = (t._version, storage.data_ptr(), storage.nbytes())
+    spot = _spot_check(_elements_of(_storage_bytes(t), t.element_size()))
+    return (where, spot), _tensor_trust(t)
 
 
 @functools.cache
@@ -515,26 +561,27 @@ def _from_class(*parts: object) -> None:
     """Stands in a fingerprint pass for a class Ray sends by value; never called."""
 
 
-def _sent_by_value(obj: Any) -> bool:
-    """Whether Ray's cloudpickle sends this class or function as code, not by name: so a
-    redefinition (a notebook cell run again) is a different value under the same name."""
-    return obj.__module__ == "__main__" or "<locals>" in obj.__qualname__
+def sent_by_value(obj: Any) -> bool:
+    """Whether Ray's cloudpickle sends this class or function as code, not by name: defined
+    in ``__main__`` or a notebook, inside a function, or in a module registered to be
+    pickled by value. Its definition, its attributes and the globals its methods use then
+    travel with every submission, and may change between two."""
+    try:
+        from ray.cloudpickle import cloudpickle
+
+        return not cloudpickle._should_pickle_by_reference(obj)  # type: ignore[no-untyped-call]
+    except Exception:  # cloudpickle moved its helper: the rule it implements
+        return obj.__module__ == "__main__" or "<locals>" in obj.__qualname__
 
 
-_class_serial = itertools.count()
-#: Classes sent as code, each with a serial number; held, so their ids are never recycled.
-_class_tokens: dict[int, tuple[type, int]] = {}
+def _class_digest(cls: type) -> Key:
+    """A class Ray sends by value, keyed by what it sends: cloudpickle's pickle of it."""
+    from ray import cloudpickle
 
-
-def _class_token(cls: type) -> int:
-    """A number for this very class object: a class redefined under the same name differs.
-
-    Functions sent as code are not fingerprinted at all (their globals travel with them),
-    but a class is keyed by identity, so instances of a class defined in a script share."""
-    entry = _class_tokens.get(id(cls))
-    if entry is None or entry[0] is not cls:
-        entry = _class_tokens[id(cls)] = (cls, next(_class_serial))
-    return entry[1]
+    stream = _HashFile()
+    pickler: Any = cloudpickle.CloudPickler(stream, protocol=5)  # type: ignore[no-untyped-call]
+    pickler.dump(cls)
+    return stream.hasher.digest()
 
 
 class _HashFile:
@@ -578,6 +625,8 @@ class _FingerprintPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
+        if isinstance(obj, _serialized.ray_handle_types()):
+            raise _serialized.HoldsRayHandles(cls.__qualname__)
         leaf = _leaf_digests.exact(cls)
         if leaf is not None:
             digest = leaf(obj, self.digests, self.reuse)
@@ -592,10 +641,10 @@ class _FingerprintPickler(pickle.Pickler):
             known = builtin_fingerprints.lookup(cls)
         if known is not None:
             return _from_user_fingerprint, (f"{cls.__module__}.{cls.__qualname__}", known(obj))
-        if (cls is type or cls is types.FunctionType) and _sent_by_value(obj):
+        if (isinstance(obj, type) or cls is types.FunctionType) and sent_by_value(obj):
             if cls is types.FunctionType:
                 raise Unfingerprintable(f"function {obj.__qualname__} is sent as code")
-            return _from_class, (obj.__qualname__, _class_token(obj))
+            return _from_class, (_class_digest(obj),)
         if self.strict and runs_own_pickling(cls):
             raise NeedsSerializing(cls.__qualname__)
         return NotImplemented
@@ -767,12 +816,13 @@ def identify(obj: object, memo: Memo | None = None, reuse: bool = False) -> Iden
         except (NeedsSerializing, Unfingerprintable) as why:
             logger.debug("%s is keyed by its pickle (%s)", name, why)
         if _serialized.available():
-            try:
-                serialized = _serialized.serialize(obj)
-                return serialized.key, serialized, True, False
-            except _serialized.HoldsRayHandles:
-                pass
+            serialized = _serialized.serialize(obj)
+            return serialized.key, serialized, True, False
         return fingerprint_pass(obj, memo, reuse, strict=False)[0], None, True, False
+    except _serialized.HoldsRayHandles as held:
+        # Stored, the refs or handles inside would live as long as refshare keeps the
+        # value, not as long as by value keeps them: an actor would outlive its last handle.
+        logger.debug("%s holds a %s: sent by value", name, held)
     except RecursionError:
         logger.debug("%s is nested too deeply to fingerprint", name)
     except Exception:

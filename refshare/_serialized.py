@@ -67,17 +67,24 @@ class Serialized:
 
 
 _pickler_class: type[pickle.Pickler] | None = None
-_refused: tuple[type, ...] = ()
 _state_lock = threading.Lock()
 _checked = False
 
 
-def _make_pickler_class() -> tuple[type[pickle.Pickler], tuple[type, ...]]:
-    """Ray's cloudpickle pickler, refusing what only Ray's serialization may handle."""
+@functools.cache
+def ray_handle_types() -> tuple[type, ...]:
+    """Object refs and actor handles: Ray tracks their lifetimes through its own
+    serialization, so refshare never stores a value holding one."""
     import ray
+
+    return ray.ObjectRef, ray.actor.ActorHandle
+
+
+def _make_pickler_class() -> type[pickle.Pickler]:
+    """Ray's cloudpickle pickler, refusing what only Ray's serialization may handle."""
     from ray import cloudpickle
 
-    refused: tuple[type, ...] = (ray.ObjectRef, ray.actor.ActorHandle)
+    refused = ray_handle_types()
     base: type[Any] = cloudpickle.CloudPickler
 
     class RayPickler(base):  # type: ignore[misc]
@@ -89,7 +96,7 @@ def _make_pickler_class() -> tuple[type[pickle.Pickler], tuple[type, ...]]:
                 return form.__reduce__()
             return super().reducer_override(obj)
 
-    return RayPickler, refused
+    return RayPickler
 
 
 def own_form(obj: Any) -> Any:
@@ -119,18 +126,18 @@ def available() -> bool:
     Without it, values that run their own pickling code are fingerprinted by a pickling
     pass of their own and then serialized again by ``ray.put``: correct, but twice the work.
     """
-    global _pickler_class, _refused, _checked
+    global _pickler_class, _checked
     if _checked:
         return _pickler_class is not None
     with _state_lock:
         if not _checked:
             try:
-                pickler_class, refused = _make_pickler_class()
+                pickler_class = _make_pickler_class()
                 probe = _dumps(pickler_class, _Probe(b"refshare" * 64))
                 back = pickle.loads(pickle.dumps(probe, protocol=5))
                 if not (isinstance(back, _Probe) and back.data == b"refshare" * 64):
                     raise TypeError("a pickle made by Ray's pickler did not load back")
-                _pickler_class, _refused = pickler_class, refused
+                _pickler_class = pickler_class
             except Exception as error:
                 import ray
 

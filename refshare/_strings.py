@@ -30,8 +30,10 @@ def joined(arr: Any) -> tuple[str, Order] | None:
     and that order ('C' or 'F'); ``None`` unless every element is an exact ``str`` free of
     NUL (and for an empty array, which is small anyway)."""
     numpy = sys.modules.get("numpy")
-    if numpy is None or type(arr) is not numpy.ndarray or arr.dtype != object or not arr.size:
+    if numpy is None or type(arr) is not numpy.ndarray or not arr.size:
         return None
+    if arr.dtype.kind != "O" or arr.dtype.isbuiltin != 1:
+        return None  # not objects, or objects with metadata (h5py's vlen strings) to keep
     flags = arr.flags
     order: Order = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
     items = arr.ravel(order=order).tolist()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import sys
+import types
 from typing import Any
 
 from . import _fingerprint
@@ -12,23 +15,51 @@ from ._sizing import _slot_names
 #: keyed again each time it is sent.
 STRUCTURE_VISIT_BUDGET = 10_000
 
-_ATOMS = frozenset((int, float, complex, bool, type(None), str, bytes))
-#: Packages whose objects without ``__dict__`` (dtypes, devices) are immutable.
-_IMMUTABLE_ROOTS = frozenset(("numpy", "torch"))
+#: Immutable values, stamped by identity (the walk holds them, so ids are not recycled).
+_ATOMS = frozenset(
+    (
+        int, float, complex, bool, type(None), str, bytes, range, slice,
+        type(Ellipsis), type(NotImplemented), decimal.Decimal,
+        datetime.date, datetime.datetime, datetime.time, datetime.timedelta, datetime.timezone,
+    )
+)  # fmt: skip
+#: Immutable objects of numpy and torch that have no ``__dict__``, by module and name.
+_IMMUTABLE = frozenset(("torch.dtype", "torch.device", "torch.layout", "torch.memory_format"))
+#: Built-in types an object's class may derive from and still keep all its state where the
+#: walk looks: immutable values, and the containers it walks item by item.
+_WALKED_BASES = frozenset(
+    (object, int, float, complex, str, bytes, tuple, frozenset, dict, list, set)
+)
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
 
 
 class _TooLarge(Exception):
-    pass
+    """No stamp: too large to walk, or holding what a walk cannot vouch for."""
+
+
+def _walkable(cls: type) -> bool:
+    """Whether every instance of ``cls`` keeps all of its state where the walk looks: its
+    ``__dict__``, its slots, and the items of a built-in container it derives from. A class
+    built on another C type (``bytearray``, ``deque``) may change inside, unseen."""
+    return all(base.__flags__ & _HEAP_TYPE or base in _WALKED_BASES for base in cls.__mro__)
 
 
 class _Walk:
-    __slots__ = ("budget", "held", "tokens")
+    __slots__ = ("budget", "by_value", "held", "tokens")
 
     def __init__(self) -> None:
         self.budget = STRUCTURE_VISIT_BUDGET
         self.tokens: list[object] = []
         #: Every object visited, held so that no id in the tokens is recycled meanwhile.
         self.held: list[object] = []
+        #: Whether Ray sends each class met as code (see ``sent_by_value``).
+        self.by_value: dict[type, bool] = {}
+
+    def sent_by_value(self, cls: Any) -> bool:
+        found = self.by_value.get(cls)
+        if found is None:
+            found = self.by_value[cls] = _fingerprint.sent_by_value(cls)
+        return found
 
     def add(self, obj: object) -> None:
         self.budget -= 1
@@ -36,42 +67,58 @@ class _Walk:
             raise _TooLarge
         cls = type(obj)
         self.held.append(obj)
-        if cls in _ATOMS or isinstance(obj, type):
+        if cls in _ATOMS:
             self.tokens.append(id(obj))
             return
-        stamp_fn = _fingerprint._stamps.exact(cls)
+        if isinstance(obj, type) or cls is types.FunctionType:
+            if self.sent_by_value(obj):
+                raise _TooLarge  # its definition travels, and may have changed
+            self.tokens.append(id(obj))  # sent by name
+            return
+        if self.sent_by_value(cls):
+            raise _TooLarge  # the class travels with its instance
+        stamp_fn = _fingerprint._stamps.lookup(cls)
         if stamp_fn is not None:
-            stamped = stamp_fn(obj)
-            if stamped is not None:
-                self.tokens.append((id(obj), stamped[0]))
-                return
-        size = len(obj) if isinstance(obj, (dict, list, tuple, set, frozenset)) else 0
-        if cls.__module__ == "numpy" and cls.__name__ == "ndarray":  # of Python objects
-            size = obj.size  # type: ignore[attr-defined]
-        if size > self.budget:
+            self.add_leaf(obj, stamp_fn(obj))
+        elif isinstance(obj, (dict, list, tuple, set, frozenset)) and _walkable(cls):
+            self.add_container(obj)
+        elif _walkable(cls):
+            if not self.add_state(obj):
+                self.tokens.append(id(obj))  # a bare object(): nothing to change
+        elif self.immutable(obj):
+            self.tokens.append(id(obj))
+        else:
+            raise _TooLarge
+
+    def add_leaf(self, obj: Any, stamped: Any) -> None:
+        """An array or tensor (a subclass too): its own stamp, then any attributes."""
+        if stamped is not None:
+            self.tokens.append((id(obj), stamped[0]))
+        elif getattr(getattr(obj, "dtype", None), "hasobject", False):
+            if obj.size > self.budget:
+                raise _TooLarge  # known too large before walking a single member
+            self.tokens.append((id(obj), obj.shape, obj.strides))
+            for item in obj.ravel().tolist():
+                self.add(item)
+        else:
+            raise _TooLarge  # nothing vouches for its content (an inference-mode tensor)
+        self.add_state(obj)  # a subclass's own attributes (a masked array's mask)
+
+    def add_container(self, obj: Any) -> None:
+        if len(obj) > self.budget:
             raise _TooLarge  # known too large before walking a single member
-        if cls.__module__ == "numpy" and cls.__name__ == "ndarray":
-            self.tokens.append((id(obj), obj.shape, obj.strides))  # type: ignore[attr-defined]
-            self.add_all(obj.ravel().tolist())  # type: ignore[attr-defined]
-        elif isinstance(obj, dict):
-            self.tokens.append((id(obj), cls, len(obj)))
+        self.tokens.append((id(obj), type(obj), len(obj)))
+        if isinstance(obj, dict):
             for key, value in obj.items():
                 self.add(key)
                 self.add(value)
-            self.add_state(obj)
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            self.tokens.append((id(obj), cls, len(obj)))
-            self.add_all(obj)
-            self.add_state(obj)
-        elif not self.add_state(obj):
-            root = cls.__module__.partition(".")[0]
-            if root not in _IMMUTABLE_ROOTS or root not in sys.modules:
-                raise _TooLarge  # an object refshare cannot look into: no stamp
-            self.tokens.append(id(obj))
-
-    def add_all(self, items: Any) -> None:
-        for item in items:
-            self.add(item)
+            factory = getattr(obj, "default_factory", None)  # a defaultdict's
+            if factory is not None:
+                self.add(factory)
+        else:
+            for item in obj:
+                self.add(item)
+        self.add_state(obj)
 
     def add_state(self, obj: object) -> bool:
         """Add the attributes of ``obj``; whether it has any place to keep them."""
@@ -89,22 +136,37 @@ class _Walk:
                 self.add(getattr(obj, name))
         return isinstance(state, dict) or bool(slots)
 
+    def immutable(self, obj: object) -> bool:
+        """Whether ``obj`` is an immutable object of numpy or torch: a scalar (not a
+        structured one, which may view an array), a dtype, a device."""
+        cls = type(obj)
+        if f"{cls.__module__}.{cls.__qualname__}" in _IMMUTABLE:
+            return True
+        numpy = sys.modules.get("numpy")
+        if numpy is None:
+            return False
+        if isinstance(obj, numpy.dtype):
+            self.tokens.append(_fingerprint.dtype_token(obj))  # a struct's names can change
+            return True
+        return isinstance(obj, numpy.generic) and not isinstance(obj, numpy.void)
+
 
 def structure_stamp(obj: object) -> tuple[list[object], list[object]] | None:
-    """A stamp of everything reachable from ``obj``, or ``None`` if it is too large to walk.
+    """A stamp of everything reachable from ``obj``, or ``None`` if it cannot be had.
 
     The stamp lists each container's identity and length, each attribute's name, the
     identity of each immutable atom, and each array's or tensor's own stamp (address,
     layout, version counter and a spot check of its elements). Two stamps of one object
     are equal only if nothing a pickle would see has been replaced, resized or (within
-    what a spot check reads) written to. The second list holds what was visited.
+    what a spot check reads) written to. A value the walk cannot vouch for gets no stamp:
+    one larger than its budget, one holding a class or function that Ray sends as code, an
+    object of a C type the walk cannot look into, a tensor without a version counter. The
+    second list holds what was visited.
     """
     walk = _Walk()
     try:
         walk.add(obj)
-    except (_TooLarge, RecursionError):
-        return None
-    except Exception:
+    except Exception:  # _TooLarge, RecursionError, or an object that refuses to be read
         return None
     return walk.tokens, walk.held
 

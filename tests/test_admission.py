@@ -206,16 +206,19 @@ def contents(value: Any) -> Any:
     return sorted(value), ray.get(value["ref"]).tolist(), value["data"].tobytes()
 
 
-def test_values_with_their_own_pickling_or_refs_inside_are_put_as_ray_would() -> None:
+def test_values_with_their_own_pickling_are_put_as_ray_would() -> None:
+    shared = refshare.shared_args(lambda v: ray.get(contents.remote(v)))
+    values = [OwnPickling(np.full(SIZE, i, dtype=np.uint8)) for i in range(COLD_AFTER + 2)]
+    seen = [shared(v) for v in values]
+    assert refshare.stats().unkeyed == 2
+    assert seen == [ray.get(contents.remote(v)) for v in values]
+
+
+def test_values_with_refs_inside_go_by_value_and_never_turn_a_kind_cold() -> None:
     inner = ray.put(np.arange(10))
     shared = refshare.shared_args(lambda v: ray.get(contents.remote(v)))
-    for make in (
-        lambda i: OwnPickling(np.full(SIZE, i, dtype=np.uint8)),
-        lambda i: {"ref": inner, "data": np.full(SIZE, i, dtype=np.uint8)},
-    ):
-        refshare.clear()
-        refshare.reset_stats()
-        values = [make(i) for i in range(COLD_AFTER + 2)]
-        seen = [shared(v) for v in values]
-        assert refshare.stats().unkeyed == 2
-        assert seen == [ray.get(contents.remote(v)) for v in values]
+    values = [{"ref": inner, "data": np.full(SIZE, i, dtype=np.uint8)} for i in range(20)]
+    seen = [shared(v) for v in values]
+    assert refshare.stats()[:3] == (0, 0, 0)  # no put, no hit, nothing stored
+    assert refshare.stats().by_value == len(values)
+    assert seen == [ray.get(contents.remote(v)) for v in values]
