@@ -13,6 +13,8 @@ from ._session import current_session, local_object_store_bytes
 
 #: Share of the local object store the process-wide cache may hold when no budget is given.
 DEFAULT_STORE_FRACTION = 0.25
+#: Share of the local object store one scope may keep alive (see ``scope_budget``).
+SCOPE_STORE_FRACTION = 0.5
 #: Budget used when the object store's size cannot be read.
 FALLBACK_MAX_BYTES = 2 << 30
 
@@ -89,6 +91,14 @@ class RefCache:
             self._entries.move_to_end(key)
             return entry[0]
 
+    def entry(self, key: Hashable) -> tuple[Any, int] | None:
+        """``(ref, bytes it weighs)`` for ``key``, marked recently used, or ``None``."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
     def setdefault(self, key: Hashable, ref: Any, nbytes: int) -> Any:
         """Store ``ref`` for ``key`` unless one is already there; return the stored ref.
 
@@ -154,6 +164,8 @@ def default_budget() -> int:
 
 
 def scope_budget() -> int:
-    """What one scope may keep of the values it sent: the local object store's size (what
-    could be in flight at once), whatever the cache's budget."""
-    return local_store_bytes() or int(FALLBACK_MAX_BYTES / DEFAULT_STORE_FRACTION)
+    """What one scope may keep alive of the values it sent, whatever the cache's budget:
+    half the local object store, so that with the cache's quarter it stays below the fill
+    level at which Ray starts spilling objects to disk (80%)."""
+    store = local_store_bytes()
+    return int(store * SCOPE_STORE_FRACTION) if store else FALLBACK_MAX_BYTES

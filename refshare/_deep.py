@@ -37,7 +37,7 @@ deep_reducers: TypeTable[Callable[[Any], Any]] = TypeTable()
 class Skeleton:
     """An argument with its large members taken out: what travels instead of it."""
 
-    __slots__ = ("buffers", "handles", "inband", "key", "members", "nbytes")
+    __slots__ = ("buffers", "handles", "inband", "key", "members", "members_nbytes", "nbytes")
 
     def __init__(
         self,
@@ -45,11 +45,14 @@ class Skeleton:
         buffers: list[pickle.PickleBuffer],
         members: list[Any],
         handles: list[Any],
+        members_nbytes: int,
     ) -> None:
         self.inband = inband
         self.buffers = buffers
         self.members = members
         self.handles = handles
+        #: What the members weigh: a stored skeleton keeps them alive.
+        self.members_nbytes = members_nbytes
         hasher = xxhash.xxh3_128(b"skeleton", SEED)
         hasher.update(digest_buffer(inband))
         self.nbytes = len(inband)
@@ -87,6 +90,7 @@ class _Splitter:
         self.min_bytes = min_bytes
         self.handle_types = (ray.ObjectRef, ray.actor.ActorHandle)
         self.members: list[Any] = []
+        self.members_nbytes = 0
         self.handles: list[Any] = []
         self.seen: dict[int, tuple[object, Any]] = {}
 
@@ -107,6 +111,7 @@ class _Splitter:
         ref = self.store(obj, nbytes)
         if ref is None:
             return None
+        self.members_nbytes += nbytes
         return self._take(obj, "m", self.members, ref)
 
     def _take(self, obj: Any, kind: str, into: list[Any], item: Any) -> Any:
@@ -126,7 +131,9 @@ class _Splitter:
         pickler.dump(value)
         if not self.members:
             return None
-        return Skeleton(stream.getvalue(), buffers, self.members, self.handles)
+        return Skeleton(
+            stream.getvalue(), buffers, self.members, self.handles, self.members_nbytes
+        )
 
 
 @functools.cache

@@ -26,10 +26,59 @@ class SubmitScope(Protocol):
         leave that put to Ray."""
 
 
-#: The scope whose ``.remote()`` calls are being shared; ``None`` outside every scope.
-#: asyncio tasks copy it when they are created, and so do tasks submitted to a
-#: ``ThreadPoolExecutor`` from inside a scope (see ``_make_pool_submit``).
-active_scope: ContextVar[SubmitScope | None] = ContextVar("refshare_scope", default=None)
+class Frame:
+    """One entry into a scope (a decorated call, a ``sharing`` block): its scope, or ``None``
+    where the entry turned sharing off, and the frame it was entered over.
+
+    Frames exit in any order (a generator holding a block may be closed inside another
+    block): an exited frame is skipped, never made current again."""
+
+    __slots__ = ("closed", "owner", "parent", "scope")
+
+    def __init__(self, scope: SubmitScope | None, parent: Frame | None, owner: object) -> None:
+        self.scope = scope
+        self.parent = parent
+        self.owner = owner
+        self.closed = False
+
+
+#: The innermost frame entered in this context; ``None`` outside every scope. asyncio tasks
+#: copy it when they are created, and so do tasks submitted to a ``ThreadPoolExecutor`` from
+#: inside a scope (see ``_pool_submit``).
+_frames: ContextVar[Frame | None] = ContextVar("refshare_frames", default=None)
+
+
+def current_scope() -> SubmitScope | None:
+    """The scope whose ``.remote()`` calls are being shared here, if any."""
+    frame = _frames.get()
+    while frame is not None and frame.closed:
+        frame = frame.parent
+    return None if frame is None else frame.scope
+
+
+def enter(scope: SubmitScope | None, owner: object) -> Frame:
+    """Make ``scope`` current in this context, over whatever was (``None``: not sharing)."""
+    frame = Frame(scope, _frames.get(), owner)
+    _frames.set(frame)
+    return frame
+
+
+def exit_frame(frame: Frame) -> None:
+    """Leave ``frame``: the context is back in the innermost frame still open beneath it."""
+    frame.closed = True
+    if _frames.get() is frame:
+        parent = frame.parent
+        while parent is not None and parent.closed:
+            parent = parent.parent
+        _frames.set(parent)
+
+
+def innermost(owner: object) -> Frame | None:
+    """The innermost open frame in this context that ``owner`` entered."""
+    frame = _frames.get()
+    while frame is not None and (frame.closed or frame.owner is not owner):
+        frame = frame.parent
+    return frame
 
 #: Ray's submit methods: every ``.remote()`` and ``.options(...).remote()`` ends in one.
 #: Each takes the task's ``args`` and ``kwargs`` as its first two parameters, which Ray
@@ -73,7 +122,7 @@ def _make_submit(owner: type) -> Callable[[Callable[..., Any], Any, Any, Any], A
     """The wrapper for ``owner._remote``; outside a scope it is one context-variable lookup."""
 
     def submit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
-        scope = active_scope.get()
+        scope = current_scope()
         if scope is None or not _installed:
             return wrapped(*args, **kwargs)
         skip = 1 if instance is None and args and isinstance(args[0], owner) else 0
@@ -97,7 +146,7 @@ def _make_submit(owner: type) -> Callable[[Callable[..., Any], Any, Any, Any], A
 
 def _put(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``ray.put``: outside a scope, one context-variable lookup."""
-    scope = active_scope.get()
+    scope = current_scope()
     if scope is None or not _installed or len(args) != 1:
         return wrapped(*args, **kwargs)
     try:
@@ -111,7 +160,7 @@ def _put(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
 def _pool_submit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """``ThreadPoolExecutor.submit``: inside a scope, the task runs in a copy of the
     submitter's context (a fresh copy per task: one context cannot run in two threads)."""
-    if active_scope.get() is None or not _installed or not args:
+    if current_scope() is None or not _installed or not args:
         return wrapped(*args, **kwargs)
     context = contextvars.copy_context()
     return wrapped(context.run, *args, **kwargs)

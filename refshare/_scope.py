@@ -7,7 +7,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from contextvars import Token
 from typing import Any, TypeVar, cast, overload
 
 import ray
@@ -19,14 +18,17 @@ from ._cache import RefCache, scope_budget
 from ._deep import Skeleton, ship_bootstrap_by_value, split
 from ._fingerprint import Key, Memo, _leaf_digests, identify, runs_own_pickling
 from ._patch import (
-    SubmitScope,
-    active_scope,
+    Frame,
+    current_scope,
     ensure_installed,
     ensure_pickling_patch,
+    enter,
+    exit_frame,
+    innermost,
     raw_put,
     self_pickling_types,
 )
-from ._session import current_session
+from ._session import current_session, stored_bytes
 from ._sizing import estimate_size, measure
 from ._structure import StampedMemo
 
@@ -51,8 +53,10 @@ def process_cache() -> RefCache:
 
 
 def clear() -> None:
-    """Empty the process-wide cache (Ray frees each object once no task still uses it)."""
+    """Empty the process-wide cache (Ray frees each object once no task still uses it), and
+    forget what refshare learned of which values repeat and which classes pickle alike."""
     _process_cache.clear()
+    _pickling_alike.clear()
 
 
 def _disabled_by_env() -> bool:
@@ -135,13 +139,14 @@ class Scope:
     whole structure (see ``StampedMemo``), so each is serialized or split at most once per
     call. ``local`` lets each content be put once per scope even when no cache is used or
     the value exceeds the cache budget; ``pending`` makes threads that miss one key at once
-    wait for one put; ``unkeyed`` holds the values put without keying (see ``_admission``),
+    wait for one put; ``unkeyed`` names the values put without keying (see ``_admission``),
     so that one sent again within the call makes its kind keyed again.
 
-    All of these hold what the scope sent: its values, and through ``local`` their copies in
-    the object store. A long block (a training loop inside ``sharing()``) would hold every
-    batch it sent, so once the distinct values a scope keeps pass the size of the object
-    store, it forgets them (see :meth:`retain`); the cache keeps what repeats.
+    ``local`` keeps what the scope stored alive in the object store. A long block (a
+    training loop inside ``sharing()``) would keep every batch it sent, so once what it
+    keeps passes half the local object store (with the cache's quarter, below where Ray
+    starts spilling), the scope forgets it all (see :meth:`retain`); the cache keeps what
+    repeats.
     """
 
     __slots__ = (
@@ -171,7 +176,7 @@ class Scope:
         self.memo: Memo = {}
         self.pickled = StampedMemo()
         self.local: dict[Key, Any] = {}
-        self.unkeyed: dict[int, Any] = {}
+        self.unkeyed: set[int] = set()
         self.held = 0
         self.session: tuple[str, str] | None = None
 
@@ -206,8 +211,10 @@ class Scope:
         if self.deep:
             skeleton = self.split(value)
             if skeleton is not None:
-                if skeleton.nbytes < self.min_bytes:
-                    return skeleton  # small: inside the task message, as Ray inlines it
+                if skeleton.nbytes < self.min_bytes or skeleton.handles:
+                    # Inside the task message, as Ray inlines a small value; or sent with
+                    # the task, so that the refs and handles in it live as long as by value.
+                    return skeleton
                 return self.store_as(skeleton.key, skeleton, skeleton.nbytes, skeleton)
         return self.store(value, nbytes, fallback=value, admit=True)
 
@@ -233,8 +240,8 @@ class Scope:
         except Exception:
             logger.debug("cannot split %s; shared whole", type(value).__qualname__, exc_info=True)
             return None
-        if skeleton is not None:
-            self.splits.keep(value, skeleton)
+        if skeleton is not None and not skeleton.handles:
+            self.splits.keep(value, skeleton)  # not one holding handles: they would live on
         return skeleton
 
     def store_member(self, member: Any, nbytes: int) -> Any:
@@ -243,7 +250,7 @@ class Scope:
     def put(self, value: Any, **options: Any) -> Any:
         """The ref for ``ray.put(value, **options)`` made inside this scope: found by
         content or stored now; ``None`` leaves the put to Ray (small values, options such
-        as ``_owner``, ``puts=False``)."""
+        as ``_owner``, ``puts=False``, values holding refs or actor handles)."""
         if not self.puts or any(v is not None for v in options.values()):
             return None
         if type(value) in _SMALL_TYPES or isinstance(value, ObjectRef):
@@ -251,20 +258,30 @@ class Scope:
         nbytes = self.large(value)
         if nbytes is None or not self.ready():
             return None
-        _stats.record_put_call()
         skeleton = self.split(value) if self.deep else None
         if skeleton is not None:
+            if skeleton.handles:
+                return None
+            _stats.record_put_call()
             return self.store_as(skeleton.key, skeleton, skeleton.nbytes, None)
-        return self.store(value, nbytes, fallback=None, admit=True)
+        ref = self.store(value, nbytes, fallback=None, admit=True)
+        if ref is not None:
+            _stats.record_put_call()
+        return ref
 
     def ready(self) -> bool:
-        """Whether Ray is running; binds the cache to its session the first time."""
-        if self.session is None:
-            self.session = current_session()
-            if self.session is None:
-                return False
+        """Whether Ray is running. Refs live only in the session that made them: in a new
+        session (Ray restarted inside this scope) the scope forgets what it kept, and the
+        cache empties itself."""
+        session = current_session()
+        if session is None:
+            return False
+        if session != self.session:
+            if self.session is not None:
+                self.forget()
+            self.session = session
             if self.cache is not None:
-                self.cache.bind_session(self.session)
+                self.cache.bind_session(session)
         return True
 
     def identify(self, value: Any, nbytes: int) -> tuple[Key, Any, int] | None:
@@ -272,9 +289,10 @@ class Scope:
 
         A value that had to be pickled to be keyed is stored as that pickle and weighs what
         it pickled to; within this scope it is not pickled again while its structure stamp
-        holds."""
+        holds, once its class has shown that pickling an unchanged value gives the same
+        bytes (see :func:`pickles_alike`)."""
         kept: tuple[Key, int] | None = self.pickled.get(value)
-        if kept is not None:
+        if kept is not None and pickles_alike(type(value)):
             return kept[0], value, kept[1]
         found = identify(value, self.memo, self.reuse)
         if found is None:
@@ -282,6 +300,8 @@ class Scope:
         key, serialized, costly, tensors = found
         if serialized is not None:
             nbytes = serialized.nbytes
+        if kept is not None:
+            learn_pickling(type(value), alike=key == kept[0])
         if costly:
             self.pickled.keep(value, (key, nbytes))
         if serialized is None:
@@ -296,9 +316,9 @@ class Scope:
         admission = self.cache.admission if admit and self.cache is not None else None
         kind = _admission.kind(value, nbytes)
         if admission is not None and not admission.keyed(kind):
-            if self.unkeyed.get(id(value)) is not value:
-                self.retain(nbytes)
-                self.unkeyed[id(value)] = value  # held: its id is not recycled meanwhile
+            if id(value) not in self.unkeyed:
+                # Only its id is kept: an id recycled meanwhile at worst keys a value.
+                self.unkeyed.add(id(value))
                 return self.put_unkeyed(value, nbytes, fallback)
             admission.record(kind, hit=True)  # sent again within this call: it repeats
         found = self.identify(value, nbytes)
@@ -318,21 +338,22 @@ class Scope:
         their bytes), a value with pickling of its own (a ``DataProto``) as Ray pickles it."""
         cls = type(value)
         plain = _leaf_digests.exact(cls) is not None or runs_own_pickling(cls)
-        ref = put_counted(value if plain else PickleOnPut(value), nbytes)
-        if ref is None:
+        put = put_counted(value if plain else PickleOnPut(value), nbytes)
+        if put is None:
             return fallback
         _stats.record_unkeyed()
-        return ref
+        return put[0]
 
     def found(self, key: Key, nbytes: int) -> Any:
         """The ref already stored under ``key`` in the scope or cache (a hit), or ``None``."""
         ref = self.local.get(key)
         if ref is None and self.cache is not None:
-            ref = self.cache.get(key)
-        if ref is not None:
-            if key not in self.local:
-                self.retain(nbytes)
+            entry = self.cache.entry(key)
+            if entry is not None:
+                ref, weight = entry
+                self.retain(weight)
                 self.local[key] = ref
+        if ref is not None:
             _stats.record_hit(nbytes)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("hit  %d bytes, key %s", nbytes, key.hex()[:12])
@@ -353,35 +374,63 @@ class Scope:
             return self.put_new(key, stored, nbytes, fallback)
 
     def put_new(self, key: Key, stored: Any, nbytes: int, fallback: Any) -> Any:
-        ref = put_counted(stored, nbytes)
-        if ref is None:
+        put = put_counted(stored, nbytes)
+        if put is None:
             return fallback
+        ref, weight = put
+        if isinstance(stored, Skeleton):
+            weight += stored.members_nbytes  # its object keeps its members alive
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("put  %d bytes, key %s", nbytes, key.hex()[:12])
         if self.cache is not None:
-            ref = self.cache.setdefault(key, ref, nbytes)
-        self.retain(nbytes)
+            ref = self.cache.setdefault(key, ref, weight)
+        self.retain(weight)
         self.local[key] = ref
         return ref
 
     def retain(self, nbytes: int) -> None:
-        """Count a distinct value of ``nbytes`` this scope now keeps. Past the size of the
-        object store (more than could be in flight at once), forget everything kept so far:
-        a value sent again is then keyed again and found in the cache, or put again."""
+        """Count ``nbytes`` more of object store this scope keeps alive. Past its budget
+        (half the local store), forget everything kept so far: a value sent again is then
+        keyed again and found in the cache, or put again."""
         if self.held and self.held + nbytes > scope_budget():
-            self.memo.clear()
-            self.pickled.clear()
-            self.splits.clear()
-            self.local.clear()
-            self.unkeyed.clear()
-            self.pending.clear()
-            self.held = 0
+            self.forget()
         self.held += nbytes
 
+    def forget(self) -> None:
+        """Let go of everything this scope kept."""
+        self.memo.clear()
+        self.pickled.clear()
+        self.splits.clear()
+        self.local.clear()
+        self.unkeyed.clear()
+        self.pending.clear()
+        self.held = 0
 
-def put_counted(stored: Any, nbytes: int) -> Any:
-    """``ray.put`` of :func:`stored_form` of ``stored``, counted as a put; ``None`` if Ray
-    refused it: the caller then sends by value, so the user gets Ray's own error."""
+
+#: Per class whose values are keyed by their own pickle: whether pickling an unchanged value
+#: twice gave the same bytes. Until one is sent again in a call, it is not known.
+_pickling_alike: dict[type, bool] = {}
+
+
+def pickles_alike(cls: type) -> bool:
+    """Whether an unchanged value of ``cls`` may be sent again as the pickle made of it
+    before: known once one value of ``cls`` was pickled twice (see :meth:`Scope.identify`)."""
+    return _pickling_alike.get(cls, False)
+
+
+def learn_pickling(cls: type, alike: bool) -> None:
+    """Record whether pickling an unchanged value of ``cls`` twice gave the same bytes. A
+    class that did not is pickled on every submission, as by value."""
+    if _pickling_alike.get(cls) is not False:
+        if len(_pickling_alike) >= 4096:
+            _pickling_alike.clear()
+        _pickling_alike[cls] = alike
+
+
+def put_counted(stored: Any, nbytes: int) -> tuple[Any, int] | None:
+    """``ray.put`` of :func:`stored_form` of ``stored``, counted as a put: the ref and the
+    bytes the object store holds for it. ``None`` if Ray refused it: the caller then sends
+    by value, so the user gets Ray's own error."""
     try:
         ref = raw_put(stored_form(stored))
     except Exception:
@@ -389,7 +438,7 @@ def put_counted(stored: Any, nbytes: int) -> Any:
         _stats.record_by_value()
         return None
     _stats.record_put(nbytes)
-    return ref
+    return ref, stored_bytes(ref, nbytes)
 
 
 class PickleOnPut:
@@ -441,20 +490,22 @@ def _over_ray_client() -> bool:
     return client
 
 
-def _enter(options: Options) -> Token[SubmitScope | None]:
-    """Make a new scope current (or none, when disabled); the token undoes it."""
+def _enter(options: Options, owner: object) -> Frame:
+    """Enter a new scope (or none, when disabled) in this context."""
     if not options.enabled or _disabled_by_env() or _over_ray_client():
-        return active_scope.set(None)
+        return enter(None, owner)
     ensure_installed()
-    return active_scope.set(Scope(options))
+    return enter(Scope(options), owner)
 
 
 class sharing:
     """Share large arguments of every Ray submission made inside a ``with`` block.
 
-    Takes the same options as :func:`shared_args`. Reusable and re-entrant; each entry
-    starts a fresh scope, and the innermost scope's options apply. Tasks submitted to a
-    ``ThreadPoolExecutor`` inside the block run in it too; threads started by hand do not.
+    Takes the same options as :func:`shared_args`. Reusable and re-entrant, from several
+    threads or asyncio tasks at once; each entry starts a fresh scope, and the innermost
+    scope's options apply. Leaving the block restores what was current before it was
+    entered. Tasks submitted to a ``ThreadPoolExecutor`` inside the block run in it too;
+    threads started by hand do not.
     """
 
     def __init__(
@@ -468,34 +519,35 @@ class sharing:
         deep: bool = False,
     ) -> None:
         self._options = Options(min_bytes, cache, enabled, reuse_fingerprints, puts, deep)
-        self._tokens: list[Token[SubmitScope | None]] = []
 
     def __enter__(self) -> sharing:
-        self._tokens.append(_enter(self._options))
+        _enter(self._options, self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        active_scope.reset(self._tokens.pop())
+        frame = innermost(self)
+        if frame is not None:
+            exit_frame(frame)
 
 
 def _runner(options: Options, asynchronous: bool) -> Callable[..., Any]:
     if asynchronous:
 
         async def run_async(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-            token = _enter(options)
+            frame = _enter(options, wrapped)
             try:
                 return await wrapped(*args, **kwargs)
             finally:
-                active_scope.reset(token)
+                exit_frame(frame)
 
         return run_async
 
     def run(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-        token = _enter(options)
+        frame = _enter(options, wrapped)
         try:
             return wrapped(*args, **kwargs)
         finally:
-            active_scope.reset(token)
+            exit_frame(frame)
 
     return run
 
@@ -614,7 +666,7 @@ def share(value: Any) -> ray.ObjectRef[Any]:
     Uses the current scope's cache if called inside one, else the process-wide cache.
     Values refshare cannot fingerprint are put as they are.
     """
-    current = active_scope.get()
+    current = current_scope()
     scope = current if isinstance(current, Scope) else Scope(Options(min_bytes=0))
     if _disabled_by_env() or not scope.ready():
         return cast("ray.ObjectRef[Any]", raw_put(value))

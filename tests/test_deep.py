@@ -251,7 +251,8 @@ def test_puts_in_a_deep_scope_store_members(readers: list[Any]) -> None:
 
 
 def test_members_evicted_from_a_small_cache_are_stored_again(readers: list[Any]) -> None:
-    cache = refshare.RefCache(max_bytes=MEMBER * 8 + 1)  # room for one member
+    # Room for one member: its bytes and the few hundred Ray stores with them.
+    cache = refshare.RefCache(max_bytes=MEMBER * 8 + 4096)
     deep = refshare.shared_args(deep=True, cache=cache)(fan_out)
     batch = {"a": member(1.0), "b": member(2.0)}
     for _ in range(2):

@@ -21,7 +21,6 @@ from reliability_kit import (
 )
 
 import refshare
-from refshare import _patch
 from refshare._scope import process_cache
 
 
@@ -138,7 +137,6 @@ class TestOnTheSuitesRay:
 
         with pytest.raises(KeyError):
             fails_after_submitting()
-        assert _patch.active_scope.get() is None
         assert refshare.stats().puts == 1
         # Outside any scope again: by value, nothing more counted.
         assert ray.get(survivors[1].apply.remote(summary, data), timeout=60) == summary(data)

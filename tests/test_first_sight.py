@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
-from helpers import SelfPickling
+from helpers import Restamped, SelfPickling
 
 import refshare
 from refshare import _serialized
@@ -59,11 +59,15 @@ def test_a_self_pickling_value_is_serialized_once_for_the_whole_fan_out(readers:
     value = batch()
     by_value, sent = reductions(fan_out, readers, value)
     assert sent == N
-    shared, once = reductions(shared_fan_out, readers, value)
+    shared, twice = reductions(shared_fan_out, readers, value)
     assert shared == by_value
-    assert once == 1
+    # Pickled to be keyed, then once more when first sent again, to learn that the class
+    # pickles an unchanged value alike; from then on, once per fan-out.
+    assert twice == 2
     stats = refshare.stats()
     assert (stats.puts, stats.hits, stats.by_value) == (1, N - 1, 0), stats
+    other = batch(2.0)
+    assert reductions(shared_fan_out, readers, other) == (fan_out(readers, other), 1)
     # What was stored is what it pickled to, not what its arrays hold.
     assert stats.bytes_put > value["x"].nbytes + value["y"].nbytes
 
@@ -112,7 +116,7 @@ def test_equal_content_in_other_objects_shares_one_ref(readers: list[Any]) -> No
     assert (stats.puts, stats.hits) == (2, 3 * N - 2), stats
 
 
-def test_refs_inside_such_a_value_are_left_to_ray(readers: list[Any]) -> None:
+def test_refs_inside_such_a_value_send_it_by_value(readers: list[Any]) -> None:
     @ray.remote(num_cpus=0.1)
     def first_of(items: list[Any]) -> float:
         value, ref = items
@@ -127,7 +131,8 @@ def test_refs_inside_such_a_value_are_left_to_ray(readers: list[Any]) -> None:
 
     assert run() == [6.0, 6.0]
     stats = refshare.stats()
-    assert (stats.puts, stats.hits) == (1, 1), stats
+    # Stored, the ref would live as long as the cache kept it, not as long as by value does.
+    assert (stats.puts, stats.hits, stats.by_value) == (0, 0, 2), stats
 
 
 def test_when_rays_pickler_differs_it_warns_once_and_serializes_twice(
@@ -142,9 +147,30 @@ def test_when_rays_pickler_differs_it_warns_once_and_serializes_twice(
     value = batch(4.0)
     with caplog.at_level(logging.WARNING, logger="refshare"):
         shared, count = reductions(shared_fan_out, readers, value)
-        shared_fan_out(readers, batch(5.0))
+        _, count_again = reductions(shared_fan_out, readers, batch(5.0))
     assert shared == fan_out(readers, value)
-    assert count == 2  # one pickling pass to key it, one ray.put: today's fallback
+    # One pickling pass to key it, one to learn that it pickles alike, one ray.put; then
+    # one to key and one to put.
+    assert (count, count_again) == (3, 2)
     warnings = [r for r in caplog.records if "pickler is not what refshare expects" in r.message]
     assert len(warnings) == 1
     assert (refshare.stats().puts, refshare.stats().hits) == (2, 2 * N - 2)
+
+
+@ray.remote(num_cpus=0.1)
+def unwrap(value: Any) -> Any:
+    return value
+
+
+def test_a_value_that_pickles_anew_each_time_reaches_each_worker_as_by_value() -> None:
+    value = Restamped(np.zeros(1 << 18))
+
+    def send() -> list[Any]:
+        return ray.get([unwrap.remote(value) for _ in range(N)])
+
+    by_value = send()
+    shared = refshare.shared_args(send)()
+    # By value every task got a pickle of its own; so does every task through refshare.
+    assert [stamp for stamp, _ in by_value] == list(range(by_value[0][0], by_value[0][0] + N))
+    assert [stamp for stamp, _ in shared] == list(range(shared[0][0], shared[0][0] + N))
+    assert [size for _, size in shared] == [size for _, size in by_value]

@@ -4,6 +4,7 @@ the cache stays within budget and evicts, and every worker still receives the ri
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -84,11 +85,11 @@ def test_one_call_with_more_than_the_budget_in_flight(group: list[Any]) -> None:
         refs += [group[i % 2].apply.remote(summary, a) for i, a in enumerate(arrays)]
         return ray.get(refs, timeout=120)
 
-    arrays = [marked(200 + i, ITEM) for i in range(8)]
+    arrays = [marked(200 + i, ITEM) for i in range(6)]  # 96 MiB: within half the store
     assert many(arrays) == [summary(a) for a in arrays] * 2
     stats = refshare.stats()
     # Each content put once in the call, even the ones the cache had already evicted.
-    assert (stats.puts, stats.hits) == (8, 8)
+    assert (stats.puts, stats.hits) == (6, 6)
     assert cache.nbytes <= BUDGET
     assert_cache_consistent(cache)
 
@@ -138,3 +139,34 @@ def test_a_long_block_keeps_no_more_than_the_store_of_what_it_sent(group: list[A
         alive = sum(ref() is not None for ref in sent)
     assert 1 <= alive <= STORE // ITEM + 1, alive
     assert refshare.stats().puts == 30
+
+
+def spilled_mib() -> int:
+    """MiB Ray has spilled to disk in this session so far."""
+    from ray._private.internal_api import memory_summary
+
+    address = ray.get_runtime_context().gcs_address
+    found = re.search(r"Spilled (\d+) MiB", memory_summary(address=address, stats_only=True))
+    return int(found.group(1)) if found else 0
+
+
+def test_a_training_loop_inside_one_block_spills_no_more_than_by_value(
+    group: list[Any],
+) -> None:
+    """By value, each step's batch lives while its two tasks run; the scope must let go of
+    what it sent before the store fills, or Ray spills and every step slows down."""
+
+    def loop() -> list[Any]:
+        seen = []
+        for marker in range(30):  # 600 MiB of new batches: 3 object stores
+            data = marked(400 + marker, 20 * MiB)
+            seen.append(ray.get([w.apply.remote(summary, data) for w in group], timeout=60))
+        return seen
+
+    before = spilled_mib()
+    by_value = loop()
+    assert spilled_mib() == before  # the loop fits by value
+    with refshare.sharing():
+        shared = loop()
+    assert shared == by_value
+    assert spilled_mib() == before

@@ -90,6 +90,20 @@ def test_restart_inside_one_decorated_call(restart: Restart) -> None:
     assert across_a_restart() == ([summary(a)], [summary(a)])
 
 
+def test_a_put_after_a_restart_inside_one_block_is_of_the_live_session(restart: Restart) -> None:
+    restart(None)
+    z = marked(6, MiB)
+    with refshare.sharing():
+        first = ray.put(z)
+        assert ray.get(first, timeout=60).tobytes() == z.tobytes()
+        restart(STORES[-1])
+        again = ray.put(z)  # the scope's ref is of the old session: stored anew
+        assert ray.get(again, timeout=60).tobytes() == z.tobytes()
+        assert ray.put(z) == again  # and shared within the new session
+    stats = refshare.stats()
+    assert (stats.puts, stats.hits) == (2, 1)
+
+
 def batch_summary(batch: dict[str, Any]) -> list[tuple[int, int, int]]:
     return summary(batch["a"], batch["b"])
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
+import threading
 from typing import Any
 
 import numpy as np
@@ -115,22 +117,80 @@ def test_bad_enabled_and_bad_targets_fail_at_decoration() -> None:
         refshare.shared_args(gen)
 
 
+def in_a_scope() -> bool:
+    """Whether this thread shares now, seen from outside: inside a scope, two puts of one
+    large value give one ref."""
+    return ray.put(BIG) == ray.put(BIG)
+
+
+@pytest.mark.usefixtures("local_ray", "fresh")
 def test_sharing_is_reusable_and_reentrant() -> None:
     block = refshare.sharing(min_bytes=10)
     with block, block:
-        assert isinstance(refshare._patch.active_scope.get(), refshare._scope.Scope)
-    assert refshare._patch.active_scope.get() is None
+        assert in_a_scope()
+    assert not in_a_scope()
 
 
+@pytest.mark.usefixtures("local_ray", "fresh")
 def test_the_scope_ends_when_the_body_raises() -> None:
     @refshare.shared_args
     def fails() -> None:
-        assert refshare._patch.active_scope.get() is not None
+        assert in_a_scope()
         raise KeyError("boom")
 
     with pytest.raises(KeyError):
         fails()
-    assert refshare._patch.active_scope.get() is None
+    assert not in_a_scope()
+
+
+@pytest.mark.usefixtures("local_ray", "fresh")
+def test_one_block_entered_by_many_threads_at_once() -> None:
+    block = refshare.sharing()
+    inside, leave = threading.Barrier(4), threading.Barrier(4)
+
+    def run() -> tuple[bool, bool]:
+        with block:
+            inside.wait(timeout=60)  # all four threads are inside the one block
+            shared = in_a_scope()
+            leave.wait(timeout=60)
+        return shared, in_a_scope()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outcomes = [f.result(timeout=120) for f in [pool.submit(run) for _ in range(4)]]
+    assert outcomes == [(True, False)] * 4
+    assert not in_a_scope()
+
+
+@pytest.mark.usefixtures("local_ray", "fresh")
+def test_asyncio_tasks_entering_one_block_each_leave_their_own_entry() -> None:
+    block = refshare.sharing()
+
+    async def run(delay: float) -> tuple[bool, bool]:
+        with block:
+            await asyncio.sleep(delay)  # the tasks leave in another order than they entered
+            shared = in_a_scope()
+        return shared, in_a_scope()
+
+    async def main() -> list[tuple[bool, bool]]:
+        return await asyncio.gather(*(run(0.01 * (3 - i)) for i in range(3)))
+
+    assert asyncio.run(main()) == [(True, False)] * 3
+
+
+@pytest.mark.usefixtures("local_ray", "fresh")
+def test_a_block_left_out_of_order_is_never_entered_again() -> None:
+    def generator() -> Any:
+        with refshare.sharing():
+            yield in_a_scope()
+            yield in_a_scope()
+
+    held = generator()
+    assert next(held)  # the generator's block is entered, in this thread's context
+    with refshare.sharing(enabled=False):
+        assert not in_a_scope()  # the innermost block applies
+        held.close()  # leaves the generator's block, which is not the innermost
+        assert not in_a_scope()
+    assert not in_a_scope()  # every block has closed
 
 
 @pytest.mark.usefixtures("local_ray", "fresh")

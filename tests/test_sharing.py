@@ -164,7 +164,8 @@ def test_a_cache_of_your_own(workers: list[Any]) -> None:
 
     cached(np.zeros(1 << 20, dtype=np.uint8))
     cached(np.ones(1 << 20, dtype=np.uint8))
-    assert len(mine) == 2 and mine.nbytes == 2 << 20
+    # Each weighs what the object store holds: its bytes and the few hundred Ray adds.
+    assert len(mine) == 2 and 2 << 20 < mine.nbytes < (2 << 20) + 4096
     assert len(refshare._scope.process_cache()) == 0
     cached(np.zeros(1 << 20, dtype=np.uint8))
     assert refshare.stats().puts == 2
