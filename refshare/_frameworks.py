@@ -181,7 +181,23 @@ def worker_setup() -> None:
             "worker_process_setup_hook": "refshare.worker_setup",
             "env_vars": {"REFSHARE_ENABLE": "verl"},
         })
+
+    It never stops a worker from starting: a name it does not know, or a failure to
+    enable one, is logged as a warning, and the worker runs without that framework.
     """
-    names = tuple(n.strip() for n in os.environ.get(ENABLE_ENV, "").split(",") if n.strip())
-    if names:
-        enable(*names)
+    names = [n.strip() for n in os.environ.get(ENABLE_ENV, "").split(",") if n.strip()]
+    unknown = [name for name in names if name not in FRAMEWORKS]
+    if unknown:
+        logger.warning(
+            "%s=%r: unknown framework %s, left out (refshare knows %s, comma-separated)",
+            ENABLE_ENV,
+            os.environ.get(ENABLE_ENV),
+            ", ".join(map(repr, unknown)),
+            ", ".join(map(repr, FRAMEWORKS)),
+        )
+    known = tuple(name for name in names if name in FRAMEWORKS)
+    if known:
+        try:
+            enable(*known)
+        except Exception:
+            logger.warning("%s: could not enable %s", ENABLE_ENV, known, exc_info=True)

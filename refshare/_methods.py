@@ -19,15 +19,27 @@ def _label(owner: Any, name: str) -> str:
 
 
 def _own_attribute(owner: Any, name: str) -> tuple[Any, Any]:
-    """The attribute as stored (not bound), and the class or module it is stored on."""
+    """The attribute as stored (not bound), and the class or module it is stored on.
+
+    A base class's method that refshare already wraps is taken unwrapped, so that the
+    options given for ``owner`` are the ones that apply to it, before and after the base
+    is unpatched."""
     if isinstance(owner, types.ModuleType):
-        if name in owner.__dict__:
-            return owner.__dict__[name], owner
+        stored_on = owner if name in owner.__dict__ else None
     else:
-        for base in owner.__mro__:
-            if name in base.__dict__:
-                return base.__dict__[name], base
-    raise AttributeError(f"{_label(owner, name)} does not exist: check the name")
+        stored_on = next((base for base in owner.__mro__ if name in base.__dict__), None)
+    if stored_on is None:
+        raise AttributeError(f"{_label(owner, name)} does not exist: check the name")
+    attribute = stored_on.__dict__[name]
+    entry = _patched.get((stored_on, name))
+    if stored_on is not owner and entry is not None and attribute is entry[1]:
+        attribute = entry[1].__wrapped__
+    if isinstance(attribute, property) or not callable(getattr(attribute, "__func__", attribute)):
+        raise TypeError(
+            f"{_label(owner, name)} is a {type(attribute).__name__}, not a method: "
+            "patch_methods wraps methods and functions only"
+        )
+    return attribute, stored_on
 
 
 def patch_methods(owner: type | types.ModuleType, *names: str, **options: Any) -> list[str]:
@@ -36,8 +48,10 @@ def patch_methods(owner: type | types.ModuleType, *names: str, **options: Any) -
     For a worker group you do not own: every call of those methods on any instance, old
     or new, runs in a sharing scope. Idempotent (a method already wrapped is left as it
     is) and undone by :func:`unpatch_methods`. Returns the ``Class.method`` names wrapped.
-    Raises ``AttributeError`` for a missing method, and the errors of
-    :func:`shared_args` for bad options, before changing anything.
+    A subclass patched with options of its own keeps them, whatever is patched or unpatched
+    on its bases. Raises ``AttributeError`` for a missing method, ``TypeError`` for an
+    attribute that is not a method (a property), and the errors of :func:`shared_args` for
+    bad options, before changing anything.
     """
     if not names:
         raise TypeError("patch_methods() needs at least one method name")
@@ -85,9 +99,3 @@ def unpatch_methods(owner: type | types.ModuleType, *names: str) -> list[str]:
             del _patched[(owner, name)]
             restored.append(_label(owner, name))
     return restored
-
-
-def patched(owner: Any, name: str) -> bool:
-    """Whether refshare's wrapper of ``owner.name`` is in place."""
-    entry = _patched.get((owner, name))
-    return entry is not None and in_chain(owner.__dict__.get(name), entry[1])

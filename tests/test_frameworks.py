@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import ray
 import wrapt
+from conftest import NUM_CPUS, restart_local_ray
 from helpers import Payload, count_payload_serializations
 
 import refshare
@@ -203,3 +204,73 @@ def test_enable_and_disable_a_framework_whose_layout_is_known(
     finally:
         assert refshare.disable("verl") == ["Group.run"]
     assert not isinstance(Group.__dict__["run"], wrapt.FunctionWrapper)
+
+
+def test_a_subclass_patched_with_its_own_options_keeps_them(members: list[Any]) -> None:
+    class Base(Group):
+        pass
+
+    class Sub(Base):
+        pass
+
+    refshare.patch_methods(Base, "run")
+    refshare.patch_methods(Sub, "run", enabled=False)  # the subclass opts out
+    try:
+        data = chunks(40)
+        _, count = serializations(lambda: [Sub(members).run(data) for _ in range(2)])
+        assert count == 2 * N  # by value: its own options, not the base's
+        _, count = serializations(lambda: [Base(members).run(data) for _ in range(2)])
+        assert count == N
+        refshare.unpatch_methods(Base, "run")
+        _, count = serializations(lambda: [Sub(members).run(data) for _ in range(2)])
+        assert count == 2 * N  # and still its own once the base is unpatched
+    finally:
+        refshare.unpatch_methods(Sub, "run")
+        refshare.unpatch_methods(Base, "run")
+    assert "run" not in Sub.__dict__ and "run" not in Base.__dict__
+
+
+def test_patch_methods_refuses_what_is_not_a_method() -> None:
+    class WithProperty(Group):
+        @property
+        def size(self) -> int:
+            return len(self.members)
+
+    with pytest.raises(TypeError, match=r"WithProperty\.size is a property"):
+        refshare.patch_methods(WithProperty, "size")
+    assert isinstance(WithProperty.__dict__["size"], property)
+
+
+@ray.remote(num_cpus=0.05)
+def worker_is_up() -> bool:
+    return True
+
+
+def test_a_bad_refshare_enable_never_stops_a_worker(caplog: pytest.LogCaptureFixture) -> None:
+    names = "VERL, verl;nemo_rl"  # a name in capitals, and a separator refshare does not use
+    # Ray's worker_process_setup_hook is a job-level setting: a Ray of its own for it.
+    ray.shutdown()
+    try:
+        ray.init(
+            address="local",
+            num_cpus=NUM_CPUS,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            runtime_env={
+                "worker_process_setup_hook": "refshare.worker_setup",
+                "env_vars": {"REFSHARE_ENABLE": names},
+            },
+        )
+        assert ray.get([worker_is_up.remote() for _ in range(2)], timeout=120) == [True] * 2
+    finally:
+        restart_local_ray()
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("REFSHARE_ENABLE", names)
+    try:
+        with caplog.at_level(logging.WARNING, logger="refshare"):
+            refshare.worker_setup()  # as in each worker: one warning, nothing raised
+    finally:
+        monkeypatch.undo()
+    (warning,) = [r for r in caplog.records if "REFSHARE_ENABLE" in r.message]
+    assert "'VERL'" in warning.message and "'verl;nemo_rl'" in warning.message
