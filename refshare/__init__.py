@@ -1,13 +1,13 @@
-"""share large, repeated Ray task arguments by reference, with one decorator."""
+"""Share large, repeated Ray task arguments by reference, with one decorator."""
 
-from . import _batches  # noqa: F401  (registers the batch types, lazily)
+from ._api import clear, share, shared_args, sharing
 from ._cache import RefCache
-from ._fingerprint import fingerprint, register_fingerprint
-from ._frameworks import disable, enable, worker_setup
-from ._methods import patch_methods, unpatch_methods
-from ._patch import install, is_installed, uninstall
-from ._scope import clear, share, shared_args, sharing
-from ._sizing import estimate_size, register_size
+from ._integrations import disable, enable, worker_setup
+from ._integrations.methods import patch_methods, unpatch_methods
+from ._keys import fingerprint
+from ._keys.sizes import estimate_size, register_size
+from ._keys.tables import register_fingerprint
+from ._ray.submit import install, is_installed, uninstall
 from ._stats import Stats, enable_metrics, reset_stats, stats
 
 __version__ = "0.1.0"

@@ -1,14 +1,13 @@
 """Which values are worth keying: a cache's admission of the kinds of values that repeat.
 
-Keying a value costs a hash of its bytes and a pass over its structure: about 0.4 ms for a
-7 MiB ``DataProto`` chunk, more on a busy driver. A value sent once never pays that back,
-and a worker-group method that sends a new batch on every call sends nothing else. So a
-cache counts, per kind of value (its type and its size, to within an eighth), how many
-values in a row found
-nothing cached. After ``COLD_AFTER`` such misses it stops keying that kind: each value of
-it is put as it is, once per submission, the way a hand-written ``ray.put`` would, and is
-not cached. Every ``PROBE_EVERY``-th value of a cold kind is still keyed and cached, and the
-first of those to find its content cached makes the kind keyed again; so does any hit.
+Keying a value costs a hash of its bytes and a pass over its structure, which a value sent
+once never pays back, and a worker-group method that sends a new batch on every call sends
+nothing else. So a cache counts, per kind of value (its type and its size, to within an
+eighth), how many values in a row found nothing cached. After ``COLD_AFTER`` such misses it
+stops keying that kind: each value of it is put as it is, once per submission, the way a
+hand-written ``ray.put`` would, and is not cached. Every ``PROBE_EVERY``-th value of a cold
+kind is still keyed and cached, and the first of those to find its content cached makes the
+kind keyed again; so does any hit.
 
 This decides only how much work refshare does, never what a worker receives: a value that
 is not keyed is put fresh.

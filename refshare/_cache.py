@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _stats
 from ._admission import Admission
-from ._session import current_session, local_object_store_bytes
+from ._ray.session import current_session, local_object_store_bytes
 
 #: Share of the local object store the process-wide cache may hold when no budget is given.
 DEFAULT_STORE_FRACTION = 0.25
@@ -30,11 +30,16 @@ def _check_max_bytes(max_bytes: object) -> int | None:
     return max_bytes
 
 
+class CacheEntry(NamedTuple):
+    ref: Any
+    nbytes: int  #: what the object store holds for it, recorded when it was stored
+
+
 class RefCache:
     """A least-recently-used map from fingerprint to ``ray.ObjectRef``, bounded in bytes.
 
-    Each entry weighs the size of the value behind the ref, recorded when it is inserted (a
-    ref itself has no size). Eviction happens in :meth:`popitem` only and drops nothing but
+    Each entry weighs what the object store holds for the ref, recorded when it is inserted
+    (a ref itself has no size). Eviction happens in :meth:`popitem` only and drops nothing but
     refshare's reference: Ray keeps the arguments of tasks already submitted alive.
     A value larger than the whole budget is not cached.
 
@@ -48,7 +53,7 @@ class RefCache:
 
     def __init__(self, max_bytes: int | None = None) -> None:
         self._max_bytes = _check_max_bytes(max_bytes)
-        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._entries: OrderedDict[Hashable, CacheEntry] = OrderedDict()
         self._nbytes = 0
         self._session: object = None
         self._lock = threading.RLock()
@@ -84,15 +89,11 @@ class RefCache:
 
     def get(self, key: Hashable) -> Any | None:
         """Return the ref stored for ``key`` and mark it recently used, or ``None``."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            self._entries.move_to_end(key)
-            return entry[0]
+        entry = self.entry(key)
+        return None if entry is None else entry.ref
 
-    def entry(self, key: Hashable) -> tuple[Any, int] | None:
-        """``(ref, bytes it weighs)`` for ``key``, marked recently used, or ``None``."""
+    def entry(self, key: Hashable) -> CacheEntry | None:
+        """The entry stored for ``key``, marked recently used, or ``None``."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -109,23 +110,23 @@ class RefCache:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
-                return entry[0]
+                return entry.ref
             budget = self.max_bytes
             if nbytes > budget:
                 return ref
             while self._entries and self._nbytes + nbytes > budget:
                 self.popitem()
-            self._entries[key] = (ref, nbytes)
+            self._entries[key] = CacheEntry(ref, nbytes)
             self._nbytes += nbytes
             return ref
 
     def popitem(self) -> tuple[Hashable, Any]:
         """Evict the least recently used entry and return ``(key, ref)``."""
         with self._lock:
-            key, (ref, nbytes) = self._entries.popitem(last=False)
-            self._nbytes -= nbytes
+            key, entry = self._entries.popitem(last=False)
+            self._nbytes -= entry.nbytes
         _stats.record_eviction()
-        return key, ref
+        return key, entry.ref
 
     def clear(self) -> None:
         """Drop every ref (Ray frees each object once no task or caller still uses it),
@@ -169,3 +170,11 @@ def scope_budget() -> int:
     level at which Ray starts spilling objects to disk (80%)."""
     store = local_store_bytes()
     return int(store * SCOPE_STORE_FRACTION) if store else FALLBACK_MAX_BYTES
+
+
+_process_cache = RefCache()
+
+
+def process_cache() -> RefCache:
+    """The process-wide cache that ``cache=True`` uses."""
+    return _process_cache

@@ -1,4 +1,4 @@
-"""Tables keyed by type, whose numpy and torch entries are added only once those are in use."""
+"""Tables keyed by type, whose entries for other packages' classes wait until those are in use."""
 
 from __future__ import annotations
 
@@ -7,33 +7,77 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
+F = TypeVar("F")
 
 
 class TypeTable(Generic[V]):
     """Values keyed by class: looked up along the MRO, or for the exact class only.
 
-    ``lazy`` maps a top-level package name ("numpy", "torch") to a function that fills in
-    that package's entries. It runs when an object of that package is first looked up, so
-    refshare never imports a package the user's own code has not. A function that returns
-    ``False`` found the module it looks for not imported yet, and runs again next time.
+    An entry for a class of another package (numpy, torch, a framework) is registered by
+    module and name with :meth:`register_lazy`, and filled in once that module is imported
+    by the program: refshare never imports a package the user's own code has not.
     """
 
-    def __init__(
-        self, lazy: dict[str, Callable[[TypeTable[V]], bool | None]] | None = None
-    ) -> None:
+    def __init__(self) -> None:
         self._entries: dict[type, V] = {}
         self._resolved: dict[type, V | None] = {}
-        self._lazy = dict(lazy or {})
+        #: Top-level package -> the entries waiting for one of its modules to be imported.
+        self._lazy: dict[str, list[tuple[str, str, V]]] = {}
 
     def register(self, cls: type, value: V, *, replace: bool = True) -> None:
         if replace or cls not in self._entries:
             self._entries[cls] = value
             self._resolved.clear()
 
+    def register_lazy(self, module: str, name: str, value: V) -> None:
+        """Register ``value`` for ``module.name`` once that module is in ``sys.modules``; an
+        entry already registered for that class is kept."""
+        self._lazy.setdefault(module.partition(".")[0], []).append((module, name, value))
+        self._resolved.clear()
+
+    def registers(self, *classes: type) -> Callable[[F], F]:
+        """Decorator: register the function it decorates for ``classes``."""
+
+        def register(value: F) -> F:
+            for cls in classes:
+                self.register(cls, value)  # type: ignore[arg-type]
+            return value
+
+        return register
+
+    def registers_lazy(self, module: str, *names: str) -> Callable[[F], F]:
+        """Decorator: :meth:`register_lazy` the function it decorates for ``module.name``."""
+
+        def register(value: F) -> F:
+            for name in names:
+                self.register_lazy(module, name, value)  # type: ignore[arg-type]
+            return value
+
+        return register
+
     def _load(self, cls: type) -> None:
         root = getattr(cls, "__module__", "").partition(".")[0]
-        if root in self._lazy and root in sys.modules and self._lazy[root](self) is not False:
+        waiting = self._lazy.get(root)
+        if not waiting:
+            return
+        left = []
+        for module, name, value in waiting:
+            found = getattr(sys.modules.get(module), name, None)
+            if isinstance(found, type):
+                self.register(found, value, replace=False)
+            else:
+                left.append((module, name, value))  # not imported yet, or moved
+        if left:
+            self._lazy[root] = left
+        else:
             del self._lazy[root]
+
+    def _waiting(self, cls: type) -> bool:
+        """Whether an entry may still arrive for ``cls`` or one of its bases."""
+        lazy = self._lazy
+        return bool(lazy) and any(
+            getattr(base, "__module__", "").partition(".")[0] in lazy for base in cls.__mro__
+        )
 
     def exact(self, cls: type) -> V | None:
         """The value registered for ``cls`` itself (subclasses may carry state of their own)."""
@@ -43,16 +87,11 @@ class TypeTable(Generic[V]):
             found = self._entries.get(cls)
         return found
 
-    def add_lazy(self, root: str, fill: Callable[[TypeTable[V]], bool | None]) -> None:
-        """Have ``fill`` add the entries of package ``root`` once that package is in use."""
-        self._lazy[root] = fill
-        self._resolved.clear()
-
     def lookup(self, cls: type) -> V | None:
         """The value for ``cls`` or its nearest registered base class, cached per class."""
         try:
             found = self._resolved[cls]
-            if found is not None or not self._lazy:
+            if found is not None or not self._waiting(cls):
                 return found
         except KeyError:
             pass

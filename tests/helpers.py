@@ -128,7 +128,6 @@ class WithoutRefshare:
         for name in [m for m in sys.modules if m == "refshare" or m.startswith("refshare.")]:
             sys.modules[name] = None  # type: ignore[assignment]
         sys.modules["refshare"] = None  # type: ignore[assignment]
-        sys.modules["refshare._deep"] = None  # type: ignore[assignment]
 
     def receive(self, *args: Any, **kwargs: Any) -> Any:
         return describe((args, kwargs))

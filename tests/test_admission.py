@@ -13,12 +13,11 @@ import numpy as np
 import pytest
 import ray
 from helpers import Worker
+from internals import COLD_AFTER, MAX_KINDS, PROBE_EVERY, Admission, kind, process_cache
 from test_data_types import Probe
 from test_data_types import describe as layout
 
 import refshare
-from refshare._admission import COLD_AFTER, MAX_KINDS, PROBE_EVERY, Admission, kind
-from refshare._scope import process_cache
 
 pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
 

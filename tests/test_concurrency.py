@@ -9,6 +9,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import internals
 import pytest
 import ray
 from reliability_kit import MiB, assert_cache_consistent, marked, sinks, summary
@@ -103,7 +104,7 @@ def test_to_thread_inside_one_scope(group: list[Any]) -> None:
     results = asyncio.run(asyncio.wait_for(many(), timeout=120))
     assert results == [summary(marked(m, OWN), common) for m in range(200, 216)]
     assert refshare.stats().puts >= 17  # the common array may be put by two racing threads
-    assert_cache_consistent(refshare._scope.process_cache())
+    assert_cache_consistent(internals.process_cache())
 
 
 @ray.remote(num_cpus=0.1)

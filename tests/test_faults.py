@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import ray
 from conftest import start_local_ray
+from internals import process_cache
 from reliability_kit import (
     MiB,
     assert_cache_consistent,
@@ -21,7 +22,6 @@ from reliability_kit import (
 )
 
 import refshare
-from refshare._scope import process_cache
 
 
 def fan_out_killing(actors: list[Any], victim: Any, data: Any, in_flight: bool) -> list[Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import internals
 import numpy as np
 import pytest
 
@@ -79,7 +80,7 @@ def test_large_buffers_hash_in_chunks_by_content_only() -> None:
 
 def test_memo_hashes_each_array_once_per_call() -> None:
     a = np.zeros(1 << 16)  # small arrays are hashed each time: cheaper than a stamp
-    memo: refshare._fingerprint.Memo = {}
+    memo: internals.Memo = {}
     key = fingerprint(a, memo)
     assert memo[id(a)][0] is a and memo[id(a)][2] == key
     twin = a.copy()
@@ -166,20 +167,20 @@ def test_a_read_only_view_of_a_writeable_array_is_not_frozen() -> None:
     before = fingerprint(view, reuse=True)
     base[0] = -1.0
     assert fingerprint(view, reuse=True) != before
-    trust = refshare._fingerprint._array_trust
+    trust = internals.array_trust
     over_bytearray = frozen(np.frombuffer(bytearray(8000), dtype=np.float64))
-    assert trust(over_bytearray) == refshare._fingerprint.NEVER
-    assert trust(frozen(np.zeros(10))) == refshare._fingerprint.NEVER
+    assert trust(over_bytearray) == internals.Trust.NEVER
+    assert trust(frozen(np.zeros(10))) == internals.Trust.NEVER
 
 
 def test_arrays_over_immutable_buffers_are_hashed_once_without_asking() -> None:
     data = np.arange(1_000_000.0).tobytes()
     a = np.frombuffer(data, dtype=np.float64)[::2]  # a view of a view of bytes
-    assert refshare._fingerprint._array_trust(a) == refshare._fingerprint.ALWAYS
+    assert internals.array_trust(a) == internals.Trust.ALWAYS
     with pytest.raises(ValueError):
         a.flags.writeable = True  # numpy itself forbids it: nothing can change this array
     first = fingerprint(a)
-    entry = refshare._fingerprint._seen[id(a)]
+    entry = internals.digests_kept_across_calls[id(a)]
     assert entry[0]() is a and entry[2] == first
     assert fingerprint(a) == first
 
@@ -189,7 +190,7 @@ def test_reuse_never_matches_a_recycled_id() -> None:
         temporary = frozen(np.full(100, float(i)))
         assert fingerprint(temporary, reuse=True) == fingerprint(temporary.copy())
         del temporary
-    assert len(refshare._fingerprint._seen) < 10  # entries leave with their objects
+    assert len(internals.digests_kept_across_calls) < 10  # entries leave with their objects
 
 
 def test_tensor_keys_follow_storage_layout_and_version() -> None:
@@ -209,13 +210,13 @@ def count_hashing(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Which of refshare's tensor hashes ran: a tensor's whole storage, or its own elements."""
     ran: list[str] = []
     for name in ("_digest_storage", "_digest_elements"):
-        real = getattr(refshare._fingerprint, name)
+        real = getattr(internals.leaf_digests, name)
 
         def counted(t: object, real: Any = real, name: str = name) -> Any:
             ran.append(name)
             return real(t)
 
-        monkeypatch.setattr(refshare._fingerprint, name, counted)
+        monkeypatch.setattr(internals.leaf_digests, name, counted)
     return ran
 
 
@@ -223,7 +224,7 @@ def test_views_of_one_tensor_hash_its_memory_once_per_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch = pytest.importorskip("torch")
-    from refshare._fingerprint import Memo, TensorElements, identify
+    from internals import Memo, TensorElements, identify
 
     t = torch.randn(256, 1024)
     expected = [fingerprint(chunk) for chunk in t.chunk(4)]
@@ -243,7 +244,7 @@ def test_reuse_finds_views_made_again_until_their_tensor_changes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch = pytest.importorskip("torch")
-    from refshare._fingerprint import TensorElements
+    from internals import TensorElements
 
     t = torch.randn(256, 1024)
     first = fingerprint(TensorElements(t[:64]), reuse=True)
@@ -274,10 +275,10 @@ def test_reuse_never_trusts_memory_torch_shares_with_numpy() -> None:
 def test_a_spot_check_compares_elements_not_bytes() -> None:
     torch = pytest.importorskip("torch")
     t = torch.ones(1 << 18)  # 1.0 and 2.0 differ in float32's last two bytes only
-    memo: refshare._fingerprint.Memo = {}
-    first = refshare._fingerprint.identify(t, memo)
+    memo: internals.Memo = {}
+    first = internals.identify(t, memo)
     t.numpy()[0] = 2.0  # behind torch's back: the version counter does not move
-    assert refshare._fingerprint.identify(t, memo) != first
+    assert internals.identify(t, memo) != first
 
 
 def test_inference_mode_tensors_are_hashed_each_time_they_are_sent(
@@ -286,12 +287,12 @@ def test_inference_mode_tensors_are_hashed_each_time_they_are_sent(
     torch = pytest.importorskip("torch")
     with torch.inference_mode():
         t = torch.zeros(1 << 18)
-    memo: refshare._fingerprint.Memo = {}
+    memo: internals.Memo = {}
     ran = count_hashing(monkeypatch)
-    first = refshare._fingerprint.identify(t, memo)
+    first = internals.identify(t, memo)
     with torch.inference_mode():
         t[1] = 1.0  # no version counter to move
-    assert refshare._fingerprint.identify(t, memo) != first
+    assert internals.identify(t, memo) != first
     assert ran == ["_digest_storage"] * 2
 
 
@@ -307,7 +308,7 @@ def test_tensors_off_the_cpu_are_neither_sized_nor_hashed() -> None:
 
 
 def test_a_large_object_array_is_keyed_by_the_pickle_ray_sends() -> None:
-    from refshare._fingerprint import SERIALIZE_OBJECT_ARRAYS_FROM, identify
+    from internals import SERIALIZE_OBJECT_ARRAYS_FROM, identify
 
     uids = np.empty(SERIALIZE_OBJECT_ARRAYS_FROM + 1, dtype=object)
     uids[:] = [f"uid-{i}".encode() for i in range(uids.size)]  # bytes: not joined as strings
@@ -324,7 +325,7 @@ class Tag(str):
 
 
 def test_arrays_of_strings_are_keyed_by_their_strings_without_pickling() -> None:
-    from refshare._fingerprint import SERIALIZE_OBJECT_ARRAYS_FROM, identify
+    from internals import SERIALIZE_OBJECT_ARRAYS_FROM, identify
 
     words = np.array([f"uid-{i}-\u00e9" for i in range(SERIALIZE_OBJECT_ARRAYS_FROM * 2)], object)
     found = identify(words)
@@ -346,7 +347,7 @@ def test_arrays_of_strings_are_keyed_by_their_strings_without_pickling() -> None
 
 
 def test_a_list_of_small_arrays_is_keyed_in_one_pass() -> None:
-    from refshare._fingerprint import _digest_array_list
+    from internals import _digest_array_list
 
     rng = np.random.default_rng(0)
     arrays = [rng.random(1000) for _ in range(300)] + [np.asfortranarray(np.eye(40, 20))]

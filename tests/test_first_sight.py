@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import ray
 from helpers import Restamped, SelfPickling
+from internals import serialized as _serialized
 
 import refshare
-from refshare import _serialized
 
 pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
 

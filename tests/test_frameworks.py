@@ -11,6 +11,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import internals
 import numpy as np
 import pytest
 import ray
@@ -180,9 +181,11 @@ def test_enable_rejects_unknown_names_and_warns_for_missing_frameworks(
         refshare.enable("verl", min_bytes=-1)
     # Not installed here (or pretend so): one warning naming what is missing, no change.
     monkeypatch.setitem(
-        refshare._frameworks.FRAMEWORKS,
+        internals.FRAMEWORKS,
         "openrlhf",
-        ("OpenRLHF 0.11.2", ((refshare._frameworks.Target("no_such_module", "G", ("m",)),),)),
+        internals.Framework(
+            "openrlhf", "OpenRLHF 0.11.2", ((internals.Target("no_such_module", "G", ("m",)),),)
+        ),
     )
     with caplog.at_level(logging.WARNING, logger="refshare"):
         assert refshare.enable("openrlhf") == []
@@ -194,8 +197,9 @@ def test_enable_and_disable_a_framework_whose_layout_is_known(
     members: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The same machinery as a real framework, pointed at this module's Group.
-    target = refshare._frameworks.Target(__name__, "Group", ("run",))
-    monkeypatch.setitem(refshare._frameworks.FRAMEWORKS, "verl", ("test", ((target,),)))
+    target = internals.Target(__name__, "Group", ("run",))
+    framework = internals.Framework("verl", "test", ((target,),))
+    monkeypatch.setitem(internals.FRAMEWORKS, "verl", framework)
     assert refshare.enable("verl") == ["Group.run"]
     try:
         groups = [Group(members) for _ in range(3)]

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import ray
 from conftest import restart_local_ray
+from internals import process_cache
 from reliability_kit import MiB, assert_cache_consistent, marked, sinks, summary
 
 import refshare
-from refshare._scope import process_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh")]
 

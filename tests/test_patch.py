@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import ray
 from helpers import receive
+from internals import submit as _patch
 
 import refshare
-from refshare import _patch
 
 BIG = np.zeros(300_000, dtype=np.uint8)
 
@@ -75,8 +75,8 @@ def test_unexpected_ray_internals_warn_once_and_leave_ray_alone(
 ) -> None:
     monkeypatch.setattr(_patch, "_refused", False)
     monkeypatch.setattr(_patch, "_patches", [])
-    moved = (*_patch.TARGETS, ("ray.actor", "ActorMethod", "_remote_v3"))
-    monkeypatch.setattr(_patch, "TARGETS", moved)
+    moved = (*_patch.SUBMIT_SITES, _patch.Site("ray.actor", "ActorMethod", "_remote_v3"))
+    monkeypatch.setattr(_patch, "SUBMIT_SITES", moved)
     with caplog.at_level(logging.WARNING, logger="refshare"):
         assert not refshare.install()
         assert not refshare.install()

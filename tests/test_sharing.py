@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import internals
 import numpy as np
 import pytest
 import ray
@@ -67,7 +68,7 @@ def test_different_methods_share_one_cache(workers: list[Any], serializations) -
     shared_fan_out(workers, Payload.filled(3))
     other_method(Payload.filled(3))
     assert serializations() == 1
-    assert len(refshare._scope.process_cache()) == 1
+    assert len(internals.process_cache()) == 1
 
 
 def test_workers_receive_exactly_what_ray_by_value_gives(workers: list[Any]) -> None:
@@ -152,7 +153,7 @@ def test_one_call_puts_once_with_cache_false(workers: list[Any], serializations)
     uncached(Payload.filled(9))
     uncached(Payload.filled(9))
     assert serializations() == 2  # once per call, nothing kept between calls
-    assert len(refshare._scope.process_cache()) == 0
+    assert len(internals.process_cache()) == 0
 
 
 def test_a_cache_of_your_own(workers: list[Any]) -> None:
@@ -166,7 +167,7 @@ def test_a_cache_of_your_own(workers: list[Any]) -> None:
     cached(np.ones(1 << 20, dtype=np.uint8))
     # Each weighs what the object store holds: its bytes and the few hundred Ray adds.
     assert len(mine) == 2 and 2 << 20 < mine.nbytes < (2 << 20) + 4096
-    assert len(refshare._scope.process_cache()) == 0
+    assert len(internals.process_cache()) == 0
     cached(np.zeros(1 << 20, dtype=np.uint8))
     assert refshare.stats().puts == 2
 
@@ -345,9 +346,9 @@ def test_sharing_inside_an_actor(workers: list[Any]) -> None:
 
 def test_arrays_from_ray_get_are_immutable_and_hashed_once(workers: list[Any]) -> None:
     rollout = ray.get(ray.put(np.arange(200_000.0)))  # read-only, over the object store
-    assert refshare._fingerprint._array_trust(rollout) == refshare._fingerprint.ALWAYS
+    assert internals.array_trust(rollout) == internals.Trust.ALWAYS
     assert shared_fan_out(workers, rollout) == fan_out(workers, rollout)
-    assert id(rollout) in refshare._fingerprint._seen
+    assert id(rollout) in internals.digests_kept_across_calls
     shared_fan_out(workers, rollout)
     assert refshare.stats().puts == 1 and refshare.stats().hits == 2 * N_WORKERS - 1
 

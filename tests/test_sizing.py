@@ -6,6 +6,7 @@ import dataclasses
 import sys
 import time
 
+import internals
 import numpy as np
 
 import refshare
@@ -52,7 +53,7 @@ def test_size_estimate_stops_early() -> None:
     size = estimate_size(huge, limit=1 << 40)
     assert time.perf_counter() - start < 0.05
     # Visited up to the budget, the rest extrapolated: 8 bytes for each of the 2 million.
-    assert size == 2_000_000 * refshare._sizing.SCALAR_BYTES
+    assert size == 2_000_000 * internals.SCALAR_BYTES
     nested = [[1.0] * 100 for _ in range(10_000)]  # a million floats, in lists of 100
     assert 0.8e6 * 8 <= estimate_size(nested) <= 1.2e6 * 8
 
@@ -61,7 +62,7 @@ def test_a_list_of_arrays_is_summed_as_the_walk_would() -> None:
     shards = [np.zeros(n, dtype=np.float32) for n in (1000, 2000, 3000)]
     assert estimate_size(shards) == 24_000
     assert estimate_size(tuple(shards), limit=100) == 24_000  # summed whole, not stopped
-    assert refshare._sizing.measure(shards, limit=100) == (24_000, True)
+    assert internals.measure(shards, limit=100) == (24_000, True)
     # An array of objects among them: walked, its strings counted.
     mixed = [*shards, np.array(["ab", "cd"], dtype=object)]
     assert estimate_size(mixed) == 24_004
@@ -85,5 +86,5 @@ def test_a_size_registered_for_ndarray_itself_is_used_in_lists() -> None:
     try:
         assert estimate_size(arrays) == 600
     finally:
-        refshare.register_size(np.ndarray, refshare._sizing._ndarray_size)
+        refshare.register_size(np.ndarray, internals._ndarray_size)
     assert estimate_size(arrays) == 300

@@ -1,4 +1,4 @@
-"""What refshare reads from the running Ray: which session it is, and its object store."""
+"""What refshare reads from the running Ray: its session, its object store, stored sizes."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ._dispatch import TypeTable
+from .._dispatch import TypeTable
+from .._wire.tensors import TensorElements
 
 logger = logging.getLogger("refshare")
 
@@ -21,22 +22,25 @@ SIZE_VISIT_BUDGET = 10_000
 OBJECT_ARRAY_SAMPLE = 32
 #: What one scalar (int, float, ...) is taken to weigh.
 SCALAR_BYTES = 8
+#: Values too small to share, whatever their number: sized, stamped and sent as they are.
+SCALARS = frozenset((int, float, complex, bool, type(None)))
 
-_SCALARS = (int, float, complex, bool, type(None))
+#: Sizes by type, looked up along the MRO; a negative size means "walk its members".
+sizes: TypeTable[SizeFn] = TypeTable()
 
 
+@sizes.registers_lazy("numpy", "ndarray")
 def _ndarray_size(a: Any) -> int:
     # An array of Python objects pickles each object: it is sized by walking them.
     return -1 if a.dtype.hasobject else int(a.nbytes)
 
 
-def _numpy_sizes(table: TypeTable[SizeFn]) -> None:
-    import numpy as np
-
-    table.register(np.ndarray, _ndarray_size, replace=False)
-    table.register(np.generic, lambda s: int(s.nbytes), replace=False)
+@sizes.registers_lazy("numpy", "generic")
+def _scalar_size(s: Any) -> int:
+    return int(s.nbytes)
 
 
+@sizes.registers_lazy("torch", "Tensor")
 def tensor_nbytes(t: Any) -> int:
     """What pickling a tensor sends: its whole storage, even for a small view of it."""
     if t.device.type != "cpu":
@@ -47,13 +51,9 @@ def tensor_nbytes(t: Any) -> int:
         return int(t.element_size() * t.nelement())
 
 
-def _torch_sizes(table: TypeTable[SizeFn]) -> None:
-    import torch
-
-    table.register(torch.Tensor, tensor_nbytes, replace=False)
-
-
-_sizes: TypeTable[SizeFn] = TypeTable({"numpy": _numpy_sizes, "torch": _torch_sizes})
+@sizes.registers(TensorElements)
+def _elements_size(wrapper: TensorElements) -> int:
+    return int(wrapper.tensor.nelement() * wrapper.tensor.element_size())
 
 
 def register_size(cls: type, size: SizeFn) -> None:
@@ -66,17 +66,17 @@ def register_size(cls: type, size: SizeFn) -> None:
         raise TypeError(f"register_size() takes a class, got {cls!r}")
     if not callable(size):
         raise TypeError(f"register_size() takes a callable size function, got {size!r}")
-    _sizes.register(cls, size)
+    sizes.register(cls, size)
 
 
 def _leaf_size(obj: object) -> int | None:
     """The size of a scalar, string or buffer-backed value; ``None`` for anything else."""
     cls = type(obj)
-    if cls in _SCALARS:
+    if cls in SCALARS:
         return SCALAR_BYTES
     if cls is bytes or cls is str or cls is bytearray:
         return len(obj)  # type: ignore[arg-type]
-    size = _sizes.lookup(cls)
+    size = sizes.lookup(cls)
     if size is None:
         return None
     found = size(obj)
@@ -90,7 +90,7 @@ def _arrays_nbytes(items: Any) -> int | None:
     ndarray = getattr(numpy, "ndarray", None)
     if type(items) not in (list, tuple) or not items or type(items[0]) is not ndarray:
         return None
-    if _sizes.lookup(ndarray) is not _ndarray_size:  # a size of the program's own
+    if sizes.lookup(ndarray) is not _ndarray_size:  # a size of the program's own
         return None
     total = 0
     for arr in items:
@@ -103,7 +103,7 @@ def _arrays_nbytes(items: Any) -> int | None:
 _slots: dict[type, tuple[str, ...]] = {}
 
 
-def _slot_names(cls: type) -> tuple[str, ...]:
+def slot_names(cls: type) -> tuple[str, ...]:
     """The ``__slots__`` members of ``cls`` and its bases (a slotted dataclass has no
     ``__dict__``)."""
     names = _slots.get(cls)
@@ -157,7 +157,7 @@ class _Sizing:
             self.add_members(obj.flat, obj.size, OBJECT_ARRAY_SAMPLE)  # type: ignore[attr-defined]
         else:
             state = getattr(obj, "__dict__", None)
-            slots = _slot_names(type(obj))
+            slots = slot_names(type(obj))
             if isinstance(state, dict):
                 self.add_members(state.values(), len(state))
             if slots:

@@ -1,16 +1,16 @@
 """How refshare keys and stores a numpy array of Python strings: joined, not one by one.
 
-Ray pickles an array of objects element by element: 100,000 short strings take about 8 ms
-to pickle, and keying the array by that pickle cost as much again on every repeat. An array
+Ray pickles an array of objects element by element, and keying such an array by that
+pickle would cost as much again on every repeat: for 100,000 short uids, milliseconds. An array
 whose elements are all exact ``str`` is keyed instead by its shape, its order and its
-strings joined with NUL separators (about 1.5 ms), and stored as that one joined string.
-The worker splits it back with :func:`refshare._bootstrap.rebuild_strings`, which Ray sends
-as code, and gets what numpy's unpickling gives it: a writable array of equal strings, of
-the same shape and memory order. Only the identity of equal strings (``a[0] is a[1]``) may
-differ from by value; Python does not define it for strings either.
+strings joined with NUL separators, and stored as that one joined string. The worker splits
+it back with :func:`refshare._wire.bootstrap.rebuild_strings` and gets what numpy's
+unpickling gives it: a writable array of equal strings, of the same shape and memory order.
+Only the identity of equal strings (``a[0] is a[1]``) may differ from by value; Python does
+not define it for strings either.
 
-Any other element (bytes, ``None``, a ``str`` subclass), or a string holding a NUL, and the
-array is keyed and sent as before, by its pickle.
+Any other element (bytes, ``None``, a ``str`` subclass), a string holding a NUL, or a dtype
+with metadata, and the array is keyed and sent as Ray pickles it.
 """
 
 from __future__ import annotations
@@ -18,24 +18,21 @@ from __future__ import annotations
 import sys
 from typing import Any, Literal
 
-from . import _bootstrap
-from ._tensors import ship_bootstrap_by_value
-
-#: The memory order numpy pickles an array in.
-Order = Literal["C", "F"]
+from .._ray.pickling import ship_by_value
+from . import bootstrap
+from .arrays import pickle_order
 
 
-def joined(arr: Any) -> tuple[str, Order] | None:
+def joined(arr: Any) -> tuple[str, Literal["C", "F"]] | None:
     """The strings of an array of objects joined by NUL, in the order numpy pickles them,
-    and that order ('C' or 'F'); ``None`` unless every element is an exact ``str`` free of
-    NUL (and for an empty array, which is small anyway)."""
+    and that order; ``None`` unless every element is an exact ``str`` free of NUL (and for
+    an empty array, which is small anyway)."""
     numpy = sys.modules.get("numpy")
     if numpy is None or type(arr) is not numpy.ndarray or not arr.size:
         return None
     if arr.dtype.kind != "O" or arr.dtype.isbuiltin != 1:
         return None  # not objects, or objects with metadata (h5py's vlen strings) to keep
-    flags = arr.flags
-    order: Order = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
+    order = pickle_order(arr)
     items = arr.ravel(order=order).tolist()
     if list(map(type, items)).count(str) != len(items):
         return None
@@ -50,11 +47,11 @@ class StringArray:
 
     __slots__ = ("args",)
 
-    def __init__(self, text: str, shape: tuple[int, ...], order: Order) -> None:
+    def __init__(self, text: str, shape: tuple[int, ...], order: Literal["C", "F"]) -> None:
         self.args = (text, shape, order)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return _bootstrap.rebuild_strings, self.args
+        return bootstrap.rebuild_strings, self.args
 
 
 def strings_form(value: Any) -> StringArray | None:
@@ -62,6 +59,6 @@ def strings_form(value: Any) -> StringArray | None:
     found = joined(value)
     if found is None:
         return None
-    ship_bootstrap_by_value()
+    ship_by_value(bootstrap)
     text, order = found
     return StringArray(text, tuple(value.shape), order)

@@ -1,8 +1,9 @@
 """enable() and disable(): refshare on the worker groups of RL frameworks, as installed.
 
-Each framework's entry names, for its current release, the methods whose one call makes
-all the puts and ``.remote()`` calls of one fan-out; ``enable`` wraps them with
-``patch_methods``. Nothing is imported until asked for.
+Each framework has a module of its own here, naming for its current release the methods
+whose one call makes all the puts and ``.remote()`` calls of one fan-out, and the batch
+types it sends; ``enable`` wraps those methods with ``patch_methods``. Nothing of a
+framework is imported until it is asked for.
 """
 
 from __future__ import annotations
@@ -10,93 +11,25 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
-from ._methods import patch_methods, unpatch_methods
-from ._scope import Options
+from .._options import Options
+from . import nemo_rl, openrlhf, skyrl, verl
+from . import tensordict as tensordict  # registers TensorDict's fingerprint
+from .framework import Framework
+from .methods import patch_methods, unpatch_methods
 
 logger = logging.getLogger("refshare")
 
 #: Comma-separated framework names that :func:`worker_setup` enables.
 ENABLE_ENV = "REFSHARE_ENABLE"
 
-
-class Target(NamedTuple):
-    """Methods of one class (or functions of one module, when ``owner`` is empty)."""
-
-    module: str
-    owner: str
-    methods: tuple[str, ...]
-
-
-#: Per framework: the release its targets were read from, and the targets. Where a
-#: framework moved its code, each alternative is a tuple of targets; the first whose
-#: module imports is used.
-FRAMEWORKS: dict[str, tuple[str, tuple[tuple[Target, ...], ...]]] = {
-    "verl": (
-        "verl 0.9.1",
-        (
-            (
-                # Every by-value fan-out (ONE_TO_ALL, DP_COMPUTE_PROTO, ...) ends here.
-                Target("verl.single_controller.ray.base", "RayWorkerGroup", ("execute_all_async",)),
-                # The nd-compute dispatch puts each chunk from a thread pool here.
-                Target("verl.utils.ray_utils", "", ("parallel_put",)),
-            ),
-        ),
-    ),
-    "nemo_rl": (
-        "NeMo-RL main (2026-08)",
-        (
-            (
-                Target(
-                    "nemo_rl.distributed.worker_groups",
-                    "RayWorkerGroup",
-                    (
-                        "run_all_workers_single_data",
-                        "run_all_workers_multiple_data",
-                        "run_all_workers_sharded_data",
-                        "run_single_worker_single_data",
-                    ),
-                ),
-            ),
-        ),
-    ),
-    "openrlhf": (
-        "OpenRLHF 0.11.2",
-        (
-            (
-                Target(
-                    "openrlhf.trainer.ray.launcher",
-                    "RayActorGroup",
-                    ("async_run_method_batch", "async_run_method"),
-                ),
-            ),
-        ),
-    ),
-    "skyrl": (
-        "SkyRL 0.3.0 to 0.4.0",
-        (
-            (
-                Target(
-                    "skyrl.backends.skyrl_train.workers.worker",
-                    "PPORayActorGroup",
-                    ("async_run_ray_method",),
-                ),
-            ),
-            (  # the older skyrl-train package
-                Target(
-                    "skyrl_train.workers.worker",
-                    "PPORayActorGroup",
-                    ("async_run_ray_method", "run_method"),
-                ),
-            ),
-        ),
-    ),
+#: What ``enable`` knows, by name.
+FRAMEWORKS: dict[str, Framework] = {
+    module.FRAMEWORK.name: module.FRAMEWORK for module in (verl, nemo_rl, openrlhf, skyrl)
 }
-
 #: framework name -> the (owner, method) pairs enable() wrapped.
 _enabled: dict[str, list[tuple[Any, str]]] = {}
-
 
 def _check_names(frameworks: tuple[str, ...]) -> None:
     unknown = [name for name in frameworks if name not in FRAMEWORKS]
@@ -108,13 +41,13 @@ def _check_names(frameworks: tuple[str, ...]) -> None:
         )
 
 
-def _resolve(name: str) -> list[tuple[Any, tuple[str, ...]]] | str:
-    """The owners and methods to wrap for ``name``, or what is missing, as a sentence."""
+def _resolve(framework: Framework) -> list[tuple[Any, tuple[str, ...]]] | str:
+    """The owners and methods to wrap, or what is missing, as a sentence."""
     problems = []
-    for alternative in FRAMEWORKS[name][1]:
+    for layout in framework.layouts:
         found: list[tuple[Any, tuple[str, ...]]] = []
         try:
-            for target in alternative:
+            for target in layout:
                 module = importlib.import_module(target.module)
                 owner = getattr(module, target.owner) if target.owner else module
                 missing = [m for m in target.methods if not hasattr(owner, m)]
@@ -145,13 +78,14 @@ def enable(*frameworks: str, **options: Any) -> list[str]:
     Options(**options)  # bad options fail here, before anything is patched
     wrapped: list[str] = []
     for name in frameworks:
-        found = _resolve(name)
+        framework = FRAMEWORKS[name]
+        found = _resolve(framework)
         if isinstance(found, str):
             logger.warning(
                 "refshare.enable(%r): left unchanged, %s (refshare knows %s's layout)",
                 name,
                 found,
-                FRAMEWORKS[name][0],
+                framework.release,
             )
             continue
         done = _enabled.setdefault(name, [])

@@ -6,23 +6,22 @@ import datetime
 import decimal
 import sys
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
-from . import _fingerprint
-from ._sizing import _slot_names
+from .._ray.pickling import sent_by_value
+from .._wire.arrays import dtype_token
+from .sizes import SCALARS, slot_names
+from .tables import stamps
 
 #: How many objects a structure stamp visits at most; a larger value gets no stamp and is
 #: keyed again each time it is sent.
 STRUCTURE_VISIT_BUDGET = 10_000
 
 #: Immutable values, stamped by identity (the walk holds them, so ids are not recycled).
-_ATOMS = frozenset(
-    (
-        int, float, complex, bool, type(None), str, bytes, range, slice,
-        type(Ellipsis), type(NotImplemented), decimal.Decimal,
-        datetime.date, datetime.datetime, datetime.time, datetime.timedelta, datetime.timezone,
-    )
-)  # fmt: skip
+_ATOMS = SCALARS | {
+    str, bytes, range, slice, type(Ellipsis), type(NotImplemented), decimal.Decimal,
+    datetime.date, datetime.datetime, datetime.time, datetime.timedelta, datetime.timezone,
+}  # fmt: skip
 #: Immutable objects of numpy and torch that have no ``__dict__``, by module and name.
 _IMMUTABLE = frozenset(("torch.dtype", "torch.device", "torch.layout", "torch.memory_format"))
 #: Built-in types an object's class may derive from and still keep all its state where the
@@ -58,7 +57,7 @@ class _Walk:
     def sent_by_value(self, cls: Any) -> bool:
         found = self.by_value.get(cls)
         if found is None:
-            found = self.by_value[cls] = _fingerprint.sent_by_value(cls)
+            found = self.by_value[cls] = sent_by_value(cls)
         return found
 
     def add(self, obj: object) -> None:
@@ -77,7 +76,7 @@ class _Walk:
             return
         if self.sent_by_value(cls):
             raise _TooLarge  # the class travels with its instance
-        stamp_fn = _fingerprint._stamps.lookup(cls)
+        stamp_fn = stamps.lookup(cls)
         if stamp_fn is not None:
             self.add_leaf(obj, stamp_fn(obj))
         elif isinstance(obj, (dict, list, tuple, set, frozenset)) and _walkable(cls):
@@ -123,7 +122,7 @@ class _Walk:
     def add_state(self, obj: object) -> bool:
         """Add the attributes of ``obj``; whether it has any place to keep them."""
         state = getattr(obj, "__dict__", None)
-        slots = _slot_names(type(obj))
+        slots = slot_names(type(obj))
         if isinstance(state, dict):
             self.tokens.append(("attributes", len(state)))
             for name, value in state.items():
@@ -146,12 +145,19 @@ class _Walk:
         if numpy is None:
             return False
         if isinstance(obj, numpy.dtype):
-            self.tokens.append(_fingerprint.dtype_token(obj))  # a struct's names can change
+            self.tokens.append(dtype_token(obj))  # a struct's names can change
             return True
         return isinstance(obj, numpy.generic) and not isinstance(obj, numpy.void)
 
 
-def structure_stamp(obj: object) -> tuple[list[object], list[object]] | None:
+class StructureStamp(NamedTuple):
+    """What a walk of a value saw: its tokens, and every object visited, held meanwhile."""
+
+    tokens: list[object]
+    held: list[object]
+
+
+def structure_stamp(obj: object) -> StructureStamp | None:
     """A stamp of everything reachable from ``obj``, or ``None`` if it cannot be had.
 
     The stamp lists each container's identity and length, each attribute's name, the
@@ -160,15 +166,20 @@ def structure_stamp(obj: object) -> tuple[list[object], list[object]] | None:
     are equal only if nothing a pickle would see has been replaced, resized or (within
     what a spot check reads) written to. A value the walk cannot vouch for gets no stamp:
     one larger than its budget, one holding a class or function that Ray sends as code, an
-    object of a C type the walk cannot look into, a tensor without a version counter. The
-    second list holds what was visited.
+    object of a C type the walk cannot look into, a tensor without a version counter.
     """
     walk = _Walk()
     try:
         walk.add(obj)
     except Exception:  # _TooLarge, RecursionError, or an object that refuses to be read
         return None
-    return walk.tokens, walk.held
+    return StructureStamp(walk.tokens, walk.held)
+
+
+class _Kept(NamedTuple):
+    value: object  #: held, so that its id is not recycled
+    stamp: StructureStamp
+    result: Any
 
 
 class StampedMemo:
@@ -178,16 +189,15 @@ class StampedMemo:
     __slots__ = ("entries",)
 
     def __init__(self) -> None:
-        #: id -> (the value, held so its id is not recycled; its stamp; the result)
-        self.entries: dict[int, tuple[object, Any, Any]] = {}
+        self.entries: dict[int, _Kept] = {}
 
     def get(self, value: object) -> Any:
         """The result kept for ``value`` if it is unchanged since, else ``None``."""
         entry = self.entries.get(id(value))
-        if entry is None or entry[0] is not value:
+        if entry is None or entry.value is not value:
             return None
         stamp = structure_stamp(value)
-        return entry[2] if stamp is not None and stamp[0] == entry[1][0] else None
+        return entry.result if stamp is not None and stamp.tokens == entry.stamp.tokens else None
 
     def clear(self) -> None:
         self.entries.clear()
@@ -195,4 +205,4 @@ class StampedMemo:
     def keep(self, value: object, result: Any) -> None:
         stamp = structure_stamp(value)
         if stamp is not None:
-            self.entries[id(value)] = (value, stamp, result)
+            self.entries[id(value)] = _Kept(value, stamp, result)

@@ -6,8 +6,10 @@ import threading
 import types
 from typing import Any
 
-from ._patch import ensure_pickling_patch, in_chain
-from ._scope import Options, SharedFunction
+from .._api import SharedFunction
+from .._options import Options
+from .._ray.pickling import ensure_pickling_patch
+from .._ray.submit import in_chain
 
 #: (owner, name) -> (the attribute refshare replaced, the wrapper it put there).
 _patched: dict[tuple[Any, str], tuple[Any, SharedFunction]] = {}

@@ -1,0 +1,173 @@
+"""Leaf digests: the values whose content refshare hashes itself, where they lie.
+
+Each digest covers what Ray's pickling of the value sends: bytes and strings whole; an
+array's dtype (as it pickles), shape, memory order and bytes; a tensor's type, dtype,
+layout, flags and whole storage (a view pickles its whole storage too).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xxhash
+
+from .._hashing import PARALLEL_MIN_BYTES, SEED, digest_buffer, digest_with, tagged
+from .._wire.arrays import dtype_token, flat_bytes, memory_order
+from .._wire.strings import joined
+from .._wire.tensors import TensorElements, element_bytes, pickled_as_storage, storage_bytes
+from .stamps import STAMP_MIN_BYTES, elements_stamp, leaf_digest, storage_stamp
+from .tables import DigestFn, Key, Memo, leaf_digests
+
+
+class Unfingerprintable(Exception):
+    """Raised inside a fingerprint pass for a value refshare cannot hash itself."""
+
+
+def _memoized(leaf: Any) -> DigestFn:
+    def digest(obj: Any, memo: Memo | None, reuse: bool) -> Key | None:
+        return leaf_digest(obj, leaf, memo, reuse)
+
+    return digest
+
+
+def _digest_bytes(obj: bytes | bytearray) -> Key:
+    return digest_with(tagged(type(obj).__name__, len(obj)), obj)
+
+
+def _digest_str(obj: str) -> Key:
+    data = obj.encode("utf-8", "surrogatepass")
+    return digest_with(tagged("str", len(data)), data)
+
+
+def _digest_memoryview(obj: memoryview) -> Key:
+    data = obj if obj.c_contiguous else memoryview(obj.tobytes())
+    head = tagged("memoryview", obj.format, obj.shape, obj.nbytes)
+    head.update(digest_buffer(data))
+    return head.digest()
+
+
+for _cls, _digest in ((bytes, _digest_bytes), (bytearray, _digest_bytes), (str, _digest_str)):
+    leaf_digests.register(_cls, _memoized(_digest))
+leaf_digests.register(memoryview, _memoized(_digest_memoryview))
+
+
+#: Heads of contiguous arrays' digests: ``(id(dtype), shape, order) -> (dtype, head)``, for
+#: builtin dtypes only, which cannot change (see ``refshare._wire.arrays.dtype_token``).
+_heads: dict[tuple[int, tuple[int, ...], str], tuple[Any, bytes]] = {}
+
+
+def ndarray_head(dtype: Any, shape: tuple[int, ...], order: str) -> bytes:
+    """What a contiguous array's digest starts with: its dtype, shape and order (kept, since
+    a list of a thousand arrays usually has a handful of shapes)."""
+    key = (id(dtype), shape, order)
+    found = _heads.get(key)
+    if found is not None and found[0] is dtype:
+        return found[1]
+    head = b"ndarray:" + dtype_token(dtype) + repr((shape, order, None)).encode()
+    if dtype.isbuiltin == 1:
+        if len(_heads) >= 4096:
+            _heads.clear()
+        _heads[key] = (dtype, head)
+    return head
+
+
+def _digest_strings(arr: Any) -> Key | None:
+    """An array of exact strings, by its strings joined (see ``refshare._wire.strings``)."""
+    found = joined(arr)
+    if found is None:
+        return None
+    text, order = found
+    return digest_with(tagged("strings", arr.shape, order), text.encode("utf-8", "surrogatepass"))
+
+
+def _digest_ndarray(arr: Any) -> Key | None:
+    if arr.dtype.hasobject:
+        # Strings are keyed joined; other objects are pickled one by one, by the generic pass.
+        return _digest_strings(arr)
+    order = memory_order(arr)
+    if arr.nbytes <= PARALLEL_MIN_BYTES and order != "N":
+        # The common small case in one pass, without reshaping: a list of a thousand
+        # small arrays costs about what hashing their bytes costs.
+        head = xxhash.xxh3_128(ndarray_head(arr.dtype, arr.shape, order), SEED)
+        try:
+            head.update(arr if order == "C" else arr.T)
+            return head.digest()
+        except (BufferError, TypeError, ValueError):
+            pass  # a dtype numpy exports no buffer for: through a byte view below
+    order, flat = flat_bytes(arr)
+    strides = arr.strides if order == "N" else None
+    head = xxhash.xxh3_128(b"ndarray:" + dtype_token(arr.dtype), SEED)
+    head.update(repr((arr.shape, order, strides)).encode())
+    return digest_with(head, flat)
+
+
+@leaf_digests.registers_lazy("numpy", "ndarray")
+def _ndarray_digest(arr: Any, memo: Memo | None, reuse: bool) -> Key | None:
+    if arr.nbytes < STAMP_MIN_BYTES and not arr.dtype.hasobject:
+        return _digest_ndarray(arr)
+    return leaf_digest(arr, _digest_ndarray, memo, reuse)
+
+
+def _check_tensor(t: Any) -> None:
+    if not pickled_as_storage(t):
+        raise Unfingerprintable(f"{t.device.type} {t.layout} tensor, as Ray sends it")
+
+
+def _tensor_head(t: Any, *extra: object) -> xxhash.xxh3_128:
+    return tagged(
+        type(t).__qualname__,
+        str(t.dtype),
+        tuple(t.shape),
+        t.stride(),
+        t.storage_offset(),
+        t.requires_grad,
+        t.is_conj(),
+        t.is_neg(),
+        *extra,
+    )
+
+
+def _digest_storage(t: Any) -> Key:
+    return digest_buffer(memoryview(storage_bytes(t)))
+
+
+def _digest_elements(t: Any) -> Key:
+    head = tagged("elements", str(t.dtype), tuple(t.shape), t.requires_grad)
+    return digest_with(head, element_bytes(t))
+
+
+def _base(t: Any) -> Any:
+    """The tensor whose memory ``t`` views (``t`` itself if it is no view): what a digest
+    of its memory is kept against, so that a view made anew (a batch chunked again, on
+    each call) finds it."""
+    base = t._base
+    return t if base is None else base
+
+
+@leaf_digests.registers_lazy("torch", "Tensor")
+@leaf_digests.registers_lazy("torch.nn", "Parameter")
+def tensor_digest(t: Any, memo: Memo | None, reuse: bool) -> Key | None:
+    """What pickling a CPU tensor sends: its whole storage, offset, size and stride.
+
+    Views of one storage (the chunks of a batch) hash that storage once per call."""
+    _check_tensor(t)
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    key = ("storage", storage.data_ptr(), nbytes)
+    body = leaf_digest(t, _digest_storage, memo, reuse, key, storage_stamp, _base(t))
+    if body is None:
+        return None
+    head = _tensor_head(t, nbytes)
+    head.update(body)
+    return head.digest()
+
+
+@leaf_digests.registers(TensorElements)
+def _elements_digest(wrapper: TensorElements, memo: Memo | None, reuse: bool) -> Key | None:
+    """A tensor's own elements; the same rows of one base, viewed again, are hashed once."""
+    t = wrapper.tensor
+    _check_tensor(t)
+    base = _base(t)
+    layout = (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
+    key = ("elements", id(base), layout, t.is_conj(), t.is_neg())
+    return leaf_digest(t, _digest_elements, memo, reuse, key, elements_stamp, base)

@@ -1,0 +1,239 @@
+"""Stamps: telling cheaply that an array or tensor hashed before may have changed since.
+
+Within one call, an object hashed before is not hashed again while its stamp holds; across
+calls, only while nothing but torch's own version counter could have changed it and that
+counter has not moved, or while nothing can change it at all (see :func:`leaf_digest`).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+
+from .._hashing import SEED
+from .._wire.arrays import dtype_token, memory_order
+from .._wire.tensors import element_bytes, pickled_as_storage, storage_bytes
+from .tables import Key, Memo, MemoEntry, Stamp, Trust, stamps
+
+#: How many evenly spaced elements a spot check reads (4 KiB of float64).
+SPOT_CHECK_ELEMENTS = 512
+#: Arrays smaller than this are hashed each time they are seen: reading them costs less
+#: than stamping them, and a list of a thousand small arrays stays as cheap as its bytes.
+STAMP_MIN_BYTES = 256 << 10
+
+
+@functools.lru_cache(maxsize=64)
+def _spot_index(size: int) -> Any:
+    import numpy as np
+
+    return np.unique(np.linspace(0, size - 1, min(size, SPOT_CHECK_ELEMENTS)).astype(np.intp))
+
+
+def spot_check(arr: Any) -> int:
+    """Digest of a sample of ``arr``'s elements: all of a small array, 512 of a large one."""
+    if arr.size == 0:
+        return 0
+    order = memory_order(arr)
+    if order == "C":
+        sample = arr.reshape(-1)[_spot_index(arr.size)]
+    elif order == "F":
+        sample = arr.T.reshape(-1)[_spot_index(arr.size)]
+    else:
+        sample = arr.flat[_spot_index(arr.size)]
+    return xxhash.xxh3_64_intdigest(sample.view("u1").tobytes(), SEED)
+
+
+_ELEMENT_CODES = {2: "u2", 4: "u4", 8: "u8"}
+
+
+def _elements_of(flat: Any, itemsize: int) -> Any:
+    """A flat uint8 view as elements of ``itemsize`` bytes, so that a spot check compares
+    whole elements: a float32 going from 1.0 to 2.0 changes none of its sampled bytes at
+    the element's start."""
+    if itemsize == 1 or flat.size % itemsize:
+        return flat
+    return flat.view(_ELEMENT_CODES.get(itemsize) or f"V{itemsize}")
+
+
+#: Buffers nobody can write to: what an immutable array rests on.
+_IMMUTABLE_BUFFERS = frozenset({"builtins.bytes", "ray._raylet.Buffer", "ray._raylet.SubBuffer"})
+
+
+def array_trust(arr: Any) -> Trust:
+    """``ALWAYS`` for an array read-only all the way down to an immutable buffer (``bytes``,
+    or the object-store buffer under an array ``ray.get`` returned): numpy refuses to make
+    any array in that chain writeable again. Any other array, ``NEVER``: one marked
+    read-only may still be written through a view made before, or made writeable again."""
+    import numpy as np
+
+    node = arr
+    while True:
+        if isinstance(node, np.ndarray):
+            if node.flags.writeable or node.base is None:
+                return Trust.NEVER
+            node = node.base
+        elif isinstance(node, memoryview):
+            if not node.readonly:
+                return Trust.NEVER
+            node = node.obj
+        else:
+            cls = type(node)
+            immutable = f"{cls.__module__}.{cls.__qualname__}" in _IMMUTABLE_BUFFERS
+            return Trust.ALWAYS if immutable else Trust.NEVER
+
+
+def tensor_trust(t: Any) -> Trust:
+    """``PROMISED`` for a tensor on memory torch allocated, whose version counter sees
+    torch's own writes through it and its views; ``NEVER`` for memory torch shares with
+    another owner (``torch.from_numpy``, ``frombuffer``, DLPack, ``.numpy()``), which can
+    be written unseen."""
+    return Trust.PROMISED if t.untyped_storage().resizable() else Trust.NEVER
+
+
+@stamps.registers_lazy("numpy", "ndarray")
+def ndarray_stamp(arr: Any) -> Stamp:
+    if arr.dtype.hasobject:
+        return None
+    where = (arr.__array_interface__["data"][0], arr.shape, arr.strides, dtype_token(arr.dtype))
+    return (where, spot_check(arr)), array_trust(arr)
+
+
+def _stampable(t: Any) -> bool:
+    """Whether anything vouches for a tensor: one that torch pickles as its storage, with a
+    version counter (a tensor made under ``torch.inference_mode()`` has none)."""
+    return pickled_as_storage(t) and not t.is_inference()
+
+
+@stamps.registers_lazy("torch", "Tensor")
+@stamps.registers_lazy("torch.nn", "Parameter")
+def tensor_stamp(t: Any) -> Stamp:
+    """Torch's version counter catches its own in-place operations; the spot check of its
+    elements, most writes through ``.numpy()`` or ``.data`` views, which the counter does
+    not see."""
+    if not _stampable(t):
+        return None
+    where = (t._version, t.data_ptr(), tuple(t.shape), t.stride())
+    spot = spot_check(_elements_of(storage_bytes(t), t.element_size()))
+    return (where, spot), tensor_trust(t)
+
+
+def elements_stamp(t: Any) -> Stamp:
+    """As :func:`tensor_stamp`, spot-checking the tensor's own elements (what a
+    ``TensorElements`` sends): a chunk's rows, not its parent's whole storage."""
+    if not t.is_contiguous():
+        return tensor_stamp(t)
+    if not _stampable(t):
+        return None
+    where = (t._version, t.data_ptr(), tuple(t.shape), t.stride())
+    spot = spot_check(_elements_of(element_bytes(t), t.element_size()))
+    return (where, spot), tensor_trust(t)
+
+
+def storage_stamp(t: Any) -> Stamp:
+    """A storage, stamped through any tensor on it: views share its version counter."""
+    if not _stampable(t):
+        return None
+    storage = t.untyped_storage()
+    where = (t._version, storage.data_ptr(), storage.nbytes())
+    spot = spot_check(_elements_of(storage_bytes(t), t.element_size()))
+    return (where, spot), tensor_trust(t)
+
+
+#: Digests of unchanged objects, across calls: memo key -> (weakref, stamp, digest). The
+#: weakref both proves the object is the one hashed (ids are recycled) and removes the
+#: entry when the object dies.
+_seen: dict[object, tuple[weakref.ref[Any], object, Key]] = {}
+
+
+def _remember(key: object, obj: object, stamp: object, digest: Key) -> None:
+    def forget(ref: weakref.ref[Any]) -> None:
+        entry = _seen.get(key)
+        if entry is not None and entry[0] is ref:
+            del _seen[key]
+
+    _seen[key] = (weakref.ref(obj, forget), stamp, digest)
+
+
+def _trusted(trust: Trust, reuse: bool) -> bool:
+    return trust == Trust.ALWAYS or (reuse and trust == Trust.PROMISED)
+
+
+def leaf_digest(
+    obj: object,
+    leaf: Callable[[Any], Key | None],
+    memo: Memo | None,
+    reuse: bool = False,
+    memo_key: object = None,
+    stamp_fn: Callable[[Any], Stamp] | None = None,
+    anchor: object = None,
+) -> Key | None:
+    """Digest ``obj`` with ``leaf``, reusing an earlier digest where that is safe.
+
+    Within one call (``memo``), an array or tensor hashed before is not hashed again while
+    its stamp holds: same memory, shape and strides, same torch version counter, and the
+    same content at 512 evenly spaced elements (a spot check of a few KiB). Across calls,
+    digests are kept under the same stamp for arrays that cannot change (read-only down to
+    an immutable buffer) and, with ``reuse``, for tensors the user promises not to change
+    behind torch's back. Bytes and strings are immutable but cannot be weakly referenced,
+    so they are hashed each time they are seen. ``memo_key`` (default ``id(obj)``) and
+    ``stamp_fn`` name another digest of the same object: a tensor's storage, or its own
+    elements. ``anchor`` (default ``obj``) is the object the digest is kept against, held
+    or weakly referenced so that its memory cannot be freed and reused unseen: for a view,
+    the tensor it views, so that the same memory viewed again is found.
+    """
+    if stamp_fn is None:
+        stamp_fn = stamps.exact(type(obj))
+    if stamp_fn is None:
+        return leaf(obj)
+    if memo_key is None:
+        memo_key = id(obj)
+    if anchor is None:
+        anchor = obj
+    if (memo is None or memo_key not in memo) and memo_key not in _seen:
+        # Seen for the first time: hash first, then stamp while the memory is still in the
+        # CPU's cache, where the spot check costs next to nothing.
+        digest = leaf(obj)
+        if digest is not None:
+            stamped = stamp_fn(obj)
+            if stamped is not None:
+                _keep(memo, memo_key, anchor, stamped, digest, reuse)
+        return digest
+    stamped = stamp_fn(obj)
+    if stamped is None:
+        return leaf(obj)
+    stamp, trust = stamped
+    if memo is not None:
+        entry = memo.get(memo_key)
+        if entry is not None and entry.anchor is anchor and entry.stamp == stamp:
+            return entry.digest
+    if _trusted(trust, reuse):
+        seen = _seen.get(memo_key)
+        if seen is not None and seen[0]() is anchor and seen[1] == stamp:
+            if memo is not None:
+                memo[memo_key] = MemoEntry(anchor, stamp, seen[2])
+            return seen[2]
+    digest = leaf(obj)
+    if digest is not None:
+        _keep(memo, memo_key, anchor, stamped, digest, reuse)
+    return digest
+
+
+def _keep(
+    memo: Memo | None,
+    memo_key: object,
+    anchor: object,
+    stamped: tuple[object, Trust],
+    digest: Key,
+    reuse: bool,
+) -> None:
+    """Keep a digest under its stamp, against ``anchor``: for this call, and across calls
+    where the object can be trusted not to change."""
+    stamp, trust = stamped
+    if memo is not None:
+        memo[memo_key] = MemoEntry(anchor, stamp, digest)
+    if _trusted(trust, reuse):
+        _remember(memo_key, anchor, stamp, digest)

@@ -1,0 +1,83 @@
+"""The code a worker runs to rebuild what refshare stored; Ray ships it by value.
+
+Ray's cloudpickle sends this module's functions as code, so a worker without refshare
+still runs them. Each gives the worker exactly what Ray's own unpickling of the value would
+have: keep this module free of imports from refshare.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, Literal
+
+
+def rebuild_tensor(
+    data: Any, dtype: Any, offset: int, size: Any, stride: Any, requires_grad: bool
+) -> Any:
+    """A CPU tensor from its storage's bytes, as torch's own unpickling would give it: on a
+    writable storage of its own, with the same offset, size, stride and requires_grad."""
+    import ctypes
+
+    import numpy as np
+    import torch
+
+    source = np.frombuffer(data, dtype=np.uint8)
+    storage = torch.empty(source.size, dtype=torch.uint8)
+    if source.size:  # copied by address: through .numpy() torch could no longer resize it
+        ctypes.memmove(storage.data_ptr(), source.ctypes.data, source.size)
+    tensor = torch.empty(0, dtype=dtype).set_(storage.untyped_storage(), offset, size, stride)
+    return tensor.requires_grad_() if requires_grad else tensor
+
+
+def rebuild_strings(text: str, shape: Any, order: Literal["C", "F"]) -> Any:
+    """An array of strings from their NUL-joined text, as numpy's unpickling would give it:
+    a writable array of its own, of the same shape and memory order."""
+    import numpy as np
+
+    out = np.empty(shape, dtype=object, order=order)
+    out.reshape(-1, order=order)[:] = text.split("\0")
+    return out
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    """Unpickles a skeleton, putting each member and handle back where it was taken out."""
+
+    def __init__(
+        self, inband: bytes, members: list[Any], handles: list[Any], buffers: list[Any]
+    ) -> None:
+        super().__init__(io.BytesIO(inband), buffers=buffers)
+        self.members = members
+        self.handles = handles
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, index = pid
+        return self.members[index] if kind == "m" else self.handles[index]
+
+
+def rebuild_skeleton(inband: bytes, refs: list[Any], handles: list[Any], buffers: list[Any]) -> Any:
+    """A deep-shared argument: every member fetched in one batched get, then the rest
+    unpickled around them, as by value would unpickle the whole."""
+    import ray
+    from ray._private import worker
+
+    # This get runs while Ray unpickles the task's arguments, before the method: an async
+    # actor has no event loop to block, so Ray's warning about a blocking get does not apply.
+    warned = getattr(worker, "blocking_get_inside_async_warned", None)
+    if warned is not None:
+        worker.blocking_get_inside_async_warned = True
+    try:
+        members = list(ray.get(list(refs)))
+    finally:
+        if warned is not None:
+            worker.blocking_get_inside_async_warned = warned
+    return _SkeletonUnpickler(inband, members, handles, buffers).load()
+
+
+def rebuild_dataproto(cls: type, parts: Any, non_tensor_batch: Any, meta_info: Any) -> Any:
+    """A verl ``DataProto`` from its tensors, as its own unpickling gives it."""
+    from tensordict import TensorDict
+
+    tensors, batch_size, device, names = parts
+    batch = TensorDict(tensors, batch_size=batch_size, device=device, names=names)
+    return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta_info)

@@ -1,0 +1,200 @@
+"""A value's own pickle: serialized once, as Ray would, so that keying and storing share it.
+
+A value whose pickling runs code of its own (a ``__getstate__`` that ``torch.save``s, say)
+costs as much to key through pickling as to send. For such values refshare pickles once
+with Ray's own pickler (so Ray's registered serializers apply), hashes the in-band bytes
+and out-of-band buffers where they lie, and on a miss puts that very pickle: Ray stores it
+as two buffers, and the worker's unpickling of the argument rebuilds the value with
+``pickle.loads``, so what the worker receives is what Ray by value gives it. Plain CPU
+tensors inside go as their bytes (see ``tensors``), and arrays of strings joined (see
+``strings``), so the pickle costs one copy of them.
+
+A container holding tensors, keyed without serializing it, is pickled this way on a miss
+(see :class:`PickleOnPut`): one copy of its tensors instead of the three torch's pickling
+makes.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import pickle
+import threading
+from typing import Any
+
+from .._hashing import BufferHasher
+from .strings import strings_form
+from .tensors import tensor_form
+
+logger = logging.getLogger("refshare")
+
+
+class HoldsRayHandles(Exception):
+    """The value holds object refs or actor handles: Ray tracks their lifetimes through its
+    own serialization of the task, so refshare never stores such a value itself."""
+
+
+@functools.cache
+def ray_handle_types() -> tuple[type, ...]:
+    """Object refs and actor handles."""
+    import ray
+
+    return ray.ObjectRef, ray.actor.ActorHandle
+
+
+def own_form(obj: Any) -> Any:
+    """What refshare stores for ``obj`` where it has a cheaper form than Ray's pickling: a
+    plain CPU tensor as its bytes, an array of strings joined; else ``None``."""
+    return tensor_form(obj) or strings_form(obj)
+
+
+class Serialized:
+    """A value pickled once: its key, its size, and the pickle that ``ray.put`` stores.
+
+    Pickling a ``Serialized`` sends the pickle as out-of-band buffers (no copy on the
+    driver); unpickling it returns the original value, rebuilt by ``pickle.loads``.
+    """
+
+    __slots__ = ("buffers", "inband", "key", "nbytes")
+
+    def __init__(self, inband: bytes, buffers: list[pickle.PickleBuffer], keyed: bool) -> None:
+        self.inband = inband
+        self.buffers = buffers
+        raws = [buffer.raw() for buffer in buffers]
+        self.nbytes = len(inband) + sum(raw.nbytes for raw in raws)
+        #: Empty for a pickle made to be put, not looked up (see ``refshare._admission``).
+        self.key = BufferHasher(b"serialized").add_all([inband, *raws]).digest() if keyed else b""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        loads = functools.partial(pickle.loads, buffers=self.buffers)
+        return loads, (pickle.PickleBuffer(self.inband),)
+
+
+@functools.cache
+def pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
+    """Ray's cloudpickle pickler, as refshare pickles with it: one that stores tensors and
+    strings in refshare's own forms and refuses what only Ray may serialize, and one that a
+    deep-sharing splitter asks which members to take out (see ``refshare._deep``)."""
+    from ray import cloudpickle
+
+    refused = ray_handle_types()
+    base: type[Any] = cloudpickle.CloudPickler
+
+    class RayPickler(base):  # type: ignore[misc]
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, refused):
+                raise HoldsRayHandles(type(obj).__qualname__)
+            form = own_form(obj)
+            if form is not None:
+                return form.__reduce__()
+            return super().reducer_override(obj)
+
+    class SplitPickler(base):  # type: ignore[misc]
+        """Holds no splitter of its own between dumps: a class per split would form a
+        cycle with it, keeping its members' refs alive until the cycle collector ran."""
+
+        splitter: Any
+
+        def persistent_id(self, obj: Any) -> Any:
+            return self.splitter.persistent_id(obj)
+
+        def reducer_override(self, obj: Any) -> Any:
+            reduced = self.splitter.reduce(obj)
+            if reduced is not None:
+                return reduced
+            return super().reducer_override(obj)
+
+    return RayPickler, SplitPickler
+
+
+def _dumps(pickler_class: type[pickle.Pickler], value: Any, keyed: bool = True) -> Serialized:
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    pickler_class(stream, protocol=5, buffer_callback=buffers.append).dump(value)
+    return Serialized(stream.getvalue(), buffers, keyed)
+
+
+class _Probe:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"data": self.data}
+
+
+_state_lock = threading.Lock()
+_pickler_class: type[pickle.Pickler] | None = None
+_checked = False
+
+
+def available() -> bool:
+    """Whether Ray's pickler is what refshare expects; checked once, warns if it is not.
+
+    Without it, values that run their own pickling code are fingerprinted by a pickling
+    pass of their own and then serialized again by ``ray.put``: correct, but twice the work.
+    """
+    global _pickler_class, _checked
+    if _checked:
+        return _pickler_class is not None
+    with _state_lock:
+        if not _checked:
+            try:
+                pickler_class = _make_pickler_class()
+                probe = _dumps(pickler_class, _Probe(b"refshare" * 64))
+                back = pickle.loads(pickle.dumps(probe, protocol=5))
+                if not (isinstance(back, _Probe) and back.data == b"refshare" * 64):
+                    raise TypeError("a pickle made by Ray's pickler did not load back")
+                _pickler_class = pickler_class
+            except Exception as error:
+                import ray
+
+                logger.warning(
+                    "Ray %s's pickler is not what refshare expects (%s): values with "
+                    "their own pickling code are serialized twice on first sight",
+                    getattr(ray, "__version__", "?"),
+                    error,
+                )
+            _checked = True
+    return _pickler_class is not None
+
+
+def _make_pickler_class() -> type[pickle.Pickler]:
+    return pickler_classes()[0]
+
+
+def serialize(value: Any, keyed: bool = True) -> Serialized:
+    """Pickle ``value`` as Ray would, once, and key it unless ``keyed`` is false; raises
+    :class:`HoldsRayHandles` for refs inside.
+
+    Call only after :func:`available` returned True.
+    """
+    assert _pickler_class is not None
+    return _dumps(_pickler_class, value, keyed)
+
+
+class PickleOnPut:
+    """A value holding tensors, keyed without serializing it: on a miss refshare pickles it
+    with Ray's pickler and its tensors as their bytes, one copy of them instead of the
+    three torch's pickling makes."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def stored_form(stored: Any) -> Any:
+    """What ``ray.put`` stores for ``stored``: a plain CPU tensor as its storage's bytes, an
+    array of strings joined, a value holding tensors as refshare's own pickle of it,
+    anything else as it is."""
+    if isinstance(stored, PickleOnPut):
+        if not available():
+            return stored.value
+        try:
+            return serialize(stored.value, keyed=False)  # its key is known
+        except Exception:
+            logger.debug("cannot pickle %s itself", type(stored.value).__qualname__, exc_info=True)
+            return stored.value  # Ray's own serialization, and its own error if any
+    form = own_form(stored)
+    return stored if form is None else form

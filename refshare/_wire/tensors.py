@@ -1,0 +1,155 @@
+"""How refshare reads and stores a CPU tensor: its storage's bytes, out of band, copied once.
+
+Ray sends a tensor with torch's own pickling, which ``torch.save``s its storage into bytes
+that Ray then copies into the pickle and the object store: three copies on the driver.
+refshare puts the storage's bytes as one out-of-band buffer instead
+(one copy, at memory speed), with its dtype, offset, size, stride and ``requires_grad``;
+the worker rebuilds the tensor with :func:`refshare._wire.bootstrap.rebuild_tensor` and
+gets what torch's unpickling gives it: a tensor on a writable storage of its own, of the
+same layout.
+
+This applies only where Ray would use torch's pickling: a plain CPU tensor, put on its own
+or inside a value refshare pickles itself, when no serializer for ``torch.Tensor`` is
+registered with Ray (``ray.util.register_serializer``, ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from typing import Any
+
+from .._ray.pickling import ship_by_value
+from . import bootstrap
+
+
+class _StorageView:
+    """A storage's memory as numpy sees it, holding the storage alive meanwhile."""
+
+    __slots__ = ("__array_interface__", "storage")
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+        self.__array_interface__ = {
+            "data": (storage.data_ptr(), False),
+            "shape": (storage.nbytes(),),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+def storage_bytes(t: Any) -> Any:
+    """The tensor's whole storage as a flat uint8 numpy array, without a copy.
+
+    Read through the storage's address, not ``.numpy()``: that would mark the storage as
+    shared with numpy, which torch then refuses to resize, for refshare and for the user."""
+    import numpy as np
+
+    return np.asarray(_StorageView(t.untyped_storage()))
+
+
+def element_bytes(t: Any) -> Any:
+    """A CPU tensor's own elements in row-major order as a flat uint8 numpy array: a view
+    of its storage when it is contiguous, else a copy (what ``t.contiguous()`` would send)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    start = t.storage_offset() * t.element_size()
+    return storage_bytes(t)[start : start + t.nelement() * t.element_size()]
+
+
+def pickled_as_storage(t: Any) -> bool:
+    """Whether torch's pickling sends ``t`` as its storage and a layout, so that refshare
+    can read what it sends in place: a strided CPU tensor, neither quantized nor nested,
+    picklable (a leaf, or not requiring grad), without names or attributes of its own."""
+    torch = sys.modules["torch"]
+    return (
+        t.device.type == "cpu"
+        and t.layout == torch.strided
+        and not (t.is_quantized or t.is_nested)
+        and (t.is_leaf or not t.requires_grad)
+        and not getattr(t, "__dict__", None)
+        and not any(getattr(t, "names", None) or ())
+    )
+
+
+def _ray_pickles_tensors_itself() -> bool:
+    """Whether a serializer registered with Ray replaces torch's pickling of tensors."""
+    from ray import cloudpickle
+
+    return sys.modules["torch"].Tensor in cloudpickle.CloudPickler.dispatch
+
+
+def storable_as_bytes(t: Any) -> bool:
+    """Whether refshare stores ``t`` as its storage's bytes: a plain tensor that Ray would
+    send through torch's pickling, whose conjugate and negative bits are unset."""
+    torch = sys.modules.get("torch")
+    return (
+        torch is not None
+        and type(t) is torch.Tensor
+        and pickled_as_storage(t)
+        and not (t.is_conj() or t.is_neg())
+        and not _ray_pickles_tensors_itself()
+    )
+
+
+class TensorBytes:
+    """A tensor as refshare stores it: pickles as its storage's bytes, out of band."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, data: Any, dtype: Any, offset: int, size: Any, stride: Any, grad: bool):
+        self.args = (pickle.PickleBuffer(data), dtype, offset, tuple(size), tuple(stride), grad)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return bootstrap.rebuild_tensor, self.args
+
+
+def tensor_form(value: Any) -> TensorBytes | None:
+    """A plain CPU tensor as its storage's bytes; ``None`` for anything else."""
+    if not storable_as_bytes(value):
+        return None
+    ship_by_value(bootstrap)
+    t = value
+    return TensorBytes(
+        storage_bytes(t), t.dtype, t.storage_offset(), t.shape, t.stride(), t.requires_grad
+    )
+
+
+def elements_form(t: Any) -> TensorBytes | None:
+    """A tensor's own elements as the bytes of a compact tensor (see ``TensorElements``),
+    or ``None`` when Ray's own pickling must send it."""
+    if not storable_as_bytes(t):
+        return None
+    ship_by_value(bootstrap)
+    stride, step = [], 1
+    for length in reversed(t.shape):
+        stride.append(step)
+        step *= max(length, 1)
+    return TensorBytes(element_bytes(t), t.dtype, 0, t.shape, stride[::-1], t.requires_grad)
+
+
+class TensorElements:
+    """A tensor whose own elements, not its storage, are what its container sends.
+
+    Fingerprints of batch types that pickle ``tensor.contiguous()`` (verl's ``DataProto``)
+    return these, so a chunk hashes and stores its rows and not its parent's storage.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+    def compact(self) -> Any:
+        """The tensor with its own elements only: itself, or a contiguous copy of a view."""
+        t = self.tensor
+        whole = t.is_contiguous() and t.storage_offset() == 0
+        if whole and t.untyped_storage().nbytes() == t.nelement() * t.element_size():
+            return t
+        return t.detach().contiguous().clone().requires_grad_(t.requires_grad)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        form = elements_form(self.tensor)
+        if form is not None:
+            return form.__reduce__()  # the elements' bytes, rebuilt as a compact tensor
+        return self.compact().__reduce_ex__(protocol)  # sent as that tensor

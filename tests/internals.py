@@ -1,0 +1,55 @@
+"""What the tests read of refshare's private state, where nothing public can show it.
+
+Every private name the suite needs comes from here, so that a redesign of the package
+changes this file and not the tests. Each name says why a test needs it.
+"""
+
+from __future__ import annotations
+
+from refshare._admission import (  # the counts that decide what is keyed
+    COLD_AFTER,
+    MAX_KINDS,
+    PROBE_EVERY,
+    Admission,
+    kind,
+)
+from refshare._cache import process_cache  # the process-wide cache, to count its entries
+from refshare._integrations import FRAMEWORKS, _enabled  # the frameworks enable() knows
+from refshare._integrations.framework import Framework, Target
+from refshare._keys import identify  # keying with a memo of one's own, as a call does
+from refshare._keys import leaves as leaf_digests  # which hash ran (by name)
+from refshare._keys.pickler import SERIALIZE_OBJECT_ARRAYS_FROM, _digest_array_list
+from refshare._keys.sizes import SCALAR_BYTES, _ndarray_size, measure
+from refshare._keys.stamps import _seen as digests_kept_across_calls
+from refshare._keys.stamps import array_trust
+from refshare._keys.tables import Memo, Trust
+from refshare._ray import submit  # Ray's patch targets, to pretend Ray moved them
+from refshare._wire import serialized  # Ray's pickler, to pretend it is not as expected
+from refshare._wire.tensors import TensorElements  # a tensor sent as its own elements
+
+__all__ = [
+    "COLD_AFTER",
+    "FRAMEWORKS",
+    "MAX_KINDS",
+    "PROBE_EVERY",
+    "SCALAR_BYTES",
+    "SERIALIZE_OBJECT_ARRAYS_FROM",
+    "Admission",
+    "Framework",
+    "Memo",
+    "Target",
+    "TensorElements",
+    "Trust",
+    "_digest_array_list",
+    "_enabled",
+    "_ndarray_size",
+    "array_trust",
+    "digests_kept_across_calls",
+    "identify",
+    "kind",
+    "leaf_digests",
+    "measure",
+    "process_cache",
+    "serialized",
+    "submit",
+]
