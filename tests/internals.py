@@ -6,6 +6,7 @@ changes this file and not the tests. Each name says why a test needs it.
 
 from __future__ import annotations
 
+from refshare import _scope as scope  # what a call stores with, to make Ray refuse it
 from refshare._admission import (  # the counts that decide what is keyed
     COLD_AFTER,
     MAX_KINDS,
@@ -14,6 +15,7 @@ from refshare._admission import (  # the counts that decide what is keyed
     kind,
 )
 from refshare._cache import process_cache  # the process-wide cache, to count its entries
+from refshare._hashing import PARALLEL_MIN_BYTES, digest_buffer  # the chunked digest
 from refshare._integrations import FRAMEWORKS, _enabled  # the frameworks enable() knows
 from refshare._integrations.framework import Framework, Target
 from refshare._keys import identify  # keying with a memo of one's own, as a call does
@@ -31,6 +33,7 @@ __all__ = [
     "COLD_AFTER",
     "FRAMEWORKS",
     "MAX_KINDS",
+    "PARALLEL_MIN_BYTES",
     "PROBE_EVERY",
     "SCALAR_BYTES",
     "SERIALIZE_OBJECT_ARRAYS_FROM",
@@ -44,12 +47,14 @@ __all__ = [
     "_enabled",
     "_ndarray_size",
     "array_trust",
+    "digest_buffer",
     "digests_kept_across_calls",
     "identify",
     "kind",
     "leaf_digests",
     "measure",
     "process_cache",
+    "scope",
     "serialized",
     "submit",
 ]

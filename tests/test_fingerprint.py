@@ -7,10 +7,10 @@ from typing import Any
 import internals
 import numpy as np
 import pytest
+from internals import PARALLEL_MIN_BYTES, digest_buffer
 
 import refshare
 from refshare import estimate_size, fingerprint
-from refshare._hashing import PARALLEL_MIN_BYTES, digest_buffer
 
 
 def test_cycles_do_not_hang() -> None:
