@@ -17,13 +17,16 @@ from collections.abc import Callable
 from typing import Any
 
 from ._dispatch import TypeTable
-from ._hashing import BufferHasher
+from ._hashing import Buffer, BufferHasher
 from ._keys.sizes import estimate_size
 from ._keys.tables import leaf_digests
 from ._ray.pickling import ship_by_value
 from ._wire import bootstrap
-from ._wire.serialized import pickler_classes, ray_handle_types
+from ._wire.serialized import native_split, pickler_classes, ray_handle_types
 
+#: Leaves kept inside the skeleton, whatever their size: stored on their own, they would go
+#: through Ray's msgpack, where a ``bytearray`` or a ``memoryview`` arrives as ``bytes``.
+_INLINE = frozenset((str, bytearray, memoryview))
 #: Stores a member by content and returns its ref, or ``None`` to leave it inline.
 StoreFn = Callable[[Any, int], Any]
 #: Types whose pickling hides their members from ``persistent_id`` (verl's ``DataProto``
@@ -34,16 +37,27 @@ deep_reducers: TypeTable[Callable[[Any], Any]] = TypeTable()
 class Skeleton:
     """An argument with its large members taken out: what travels instead of it."""
 
-    __slots__ = ("buffers", "handles", "inband", "key", "members", "members_nbytes", "nbytes")
+    __slots__ = (
+        "buffers",
+        "handles",
+        "inband",
+        "key",
+        "members",
+        "members_nbytes",
+        "native",
+        "nbytes",
+    )
 
     def __init__(
         self,
+        native: bytes | None,
         inband: bytes,
         buffers: list[pickle.PickleBuffer],
         members: list[Any],
         handles: list[Any],
         members_nbytes: int,
     ) -> None:
+        self.native = native
         self.inband = inband
         self.buffers = buffers
         self.members = members
@@ -51,8 +65,9 @@ class Skeleton:
         #: What the members weigh: a stored skeleton keeps them alive.
         self.members_nbytes = members_nbytes
         raws = [buffer.raw() for buffer in buffers]
-        self.nbytes = len(inband) + sum(raw.nbytes for raw in raws)
-        hasher = BufferHasher(b"skeleton").add_all([inband, *raws])
+        self.nbytes = len(native or b"") + len(inband) + sum(raw.nbytes for raw in raws)
+        parts: list[Buffer] = [native or b"", inband, *raws]
+        hasher = BufferHasher(b"skeleton").add_all(parts)
         for ref in members:
             hasher.hasher.update(ref.binary())
         for handle in handles:
@@ -62,7 +77,8 @@ class Skeleton:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # The small members' buffers travel out of band, as Ray sends them by value: the
         # worker's arrays are then read-only views of Ray's buffers, as by value.
-        return bootstrap.rebuild_skeleton, (self.inband, self.members, self.handles, self.buffers)
+        parts = (self.native, self.inband, self.members, self.handles, self.buffers)
+        return bootstrap.rebuild_skeleton, parts
 
 
 def _handle_id(handle: Any) -> bytes:
@@ -88,7 +104,7 @@ class _Splitter:
         cls = type(obj)
         if isinstance(obj, self.handle_types):
             return self._take(obj, "h", self.handles, obj)
-        if leaf_digests.exact(cls) is None or cls is str:
+        if leaf_digests.exact(cls) is None or cls in _INLINE:
             return None
         if getattr(getattr(obj, "dtype", None), "hasobject", False):
             return None  # an array of Python objects: pickled inline, element by element
@@ -120,15 +136,18 @@ class _Splitter:
         return pid
 
     def split(self, value: Any) -> Skeleton | None:
+        native, pickled = native_split(value)
         stream = io.BytesIO()
         buffers: list[pickle.PickleBuffer] = []
         pickler: Any = pickler_classes()[1](stream, protocol=5, buffer_callback=buffers.append)
         pickler.splitter = self
-        pickler.dump(value)
+        pickler.dump(pickled)
         if not self.members:
             return None
         ship_by_value(bootstrap)
-        return Skeleton(stream.getvalue(), buffers, self.members, self.handles, self.members_nbytes)
+        return Skeleton(
+            native, stream.getvalue(), buffers, self.members, self.handles, self.members_nbytes
+        )
 
 
 def split(value: Any, store: StoreFn, min_bytes: int) -> Skeleton | None:

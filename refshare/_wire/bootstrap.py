@@ -40,6 +40,21 @@ def rebuild_strings(text: str, shape: Any, order: Literal["C", "F"]) -> Any:
     return out
 
 
+def _around(native: bytes | None, objects: Any) -> Any:
+    """The value Ray's own deserialization rebuilds: for an exact dict or list, its msgpack
+    around the objects pickled beside it (see ``refshare._wire.serialized.native_split``)."""
+    if native is None:
+        return objects
+    from ray._private.serialization import MessagePackSerializer  # type: ignore[attr-defined]
+
+    return MessagePackSerializer.loads(native, objects.__getitem__)
+
+
+def rebuild_native(native: bytes, inband: Any, buffers: list[Any]) -> Any:
+    """An exact dict or list refshare pickled itself, as Ray's own unpickling gives it."""
+    return _around(native, pickle.loads(inband, buffers=buffers))
+
+
 class _SkeletonUnpickler(pickle.Unpickler):
     """Unpickles a skeleton, putting each member and handle back where it was taken out."""
 
@@ -55,7 +70,9 @@ class _SkeletonUnpickler(pickle.Unpickler):
         return self.members[index] if kind == "m" else self.handles[index]
 
 
-def rebuild_skeleton(inband: bytes, refs: list[Any], handles: list[Any], buffers: list[Any]) -> Any:
+def rebuild_skeleton(
+    native: bytes | None, inband: bytes, refs: list[Any], handles: list[Any], buffers: list[Any]
+) -> Any:
     """A deep-shared argument: every member fetched in one batched get, then the rest
     unpickled around them, as by value would unpickle the whole."""
     import ray
@@ -71,7 +88,7 @@ def rebuild_skeleton(inband: bytes, refs: list[Any], handles: list[Any], buffers
     finally:
         if warned is not None:
             worker.blocking_get_inside_async_warned = warned
-    return _SkeletonUnpickler(inband, members, handles, buffers).load()
+    return _around(native, _SkeletonUnpickler(inband, members, handles, buffers).load())
 
 
 def rebuild_dataproto(cls: type, parts: Any, non_tensor_batch: Any, meta_info: Any) -> Any:

@@ -23,7 +23,9 @@ import pickle
 import threading
 from typing import Any
 
-from .._hashing import BufferHasher
+from .._hashing import Buffer, BufferHasher
+from .._ray.pickling import ship_by_value
+from . import bootstrap
 from .strings import strings_form
 from .tensors import tensor_form
 
@@ -49,26 +51,57 @@ def own_form(obj: Any) -> Any:
     return tensor_form(obj) or strings_form(obj)
 
 
+def native_split(value: Any) -> tuple[bytes | None, Any]:
+    """Ray's own first step in serializing ``value``: the part msgpack carries (exact dicts
+    and lists, strings, bytes, numbers, copied wherever they occur; a ``bytearray`` arrives
+    as ``bytes``), and the list of every other object met, which Ray pickles in one go.
+    Returns ``(None, value)`` for a value that is itself such an object."""
+    if type(value) is not dict and type(value) is not list:
+        return None, value
+    from ray._private.serialization import MessagePackSerializer  # type: ignore[attr-defined]
+
+    objects: list[Any] = []
+
+    def collect(obj: Any) -> int:
+        objects.append(obj)
+        return len(objects) - 1
+
+    return MessagePackSerializer.dumps(value, collect), objects
+
+
 class Serialized:
-    """A value pickled once: its key, its size, and the pickle that ``ray.put`` stores.
+    """A value pickled once, as Ray would: its key, its size, and what ``ray.put`` stores.
 
     Pickling a ``Serialized`` sends the pickle as out-of-band buffers (no copy on the
-    driver); unpickling it returns the original value, rebuilt by ``pickle.loads``.
+    driver); unpickling it returns the original value: ``pickle.loads``, and for an exact
+    dict or list, Ray's own msgpack around it (see :func:`native_split`).
     """
 
-    __slots__ = ("buffers", "inband", "key", "nbytes")
+    __slots__ = ("buffers", "inband", "key", "native", "nbytes")
 
-    def __init__(self, inband: bytes, buffers: list[pickle.PickleBuffer], keyed: bool) -> None:
+    def __init__(
+        self,
+        native: bytes | None,
+        inband: bytes,
+        buffers: list[pickle.PickleBuffer],
+        keyed: bool,
+    ) -> None:
+        self.native = native
         self.inband = inband
         self.buffers = buffers
         raws = [buffer.raw() for buffer in buffers]
-        self.nbytes = len(inband) + sum(raw.nbytes for raw in raws)
+        self.nbytes = len(native or b"") + len(inband) + sum(raw.nbytes for raw in raws)
         #: Empty for a pickle made to be put, not looked up (see ``refshare._admission``).
-        self.key = BufferHasher(b"serialized").add_all([inband, *raws]).digest() if keyed else b""
+        parts: list[Buffer] = [native or b"", inband, *raws]
+        self.key = BufferHasher(b"serialized").add_all(parts).digest() if keyed else b""
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        loads = functools.partial(pickle.loads, buffers=self.buffers)
-        return loads, (pickle.PickleBuffer(self.inband),)
+        if self.native is None:
+            loads = functools.partial(pickle.loads, buffers=self.buffers)
+            return loads, (pickle.PickleBuffer(self.inband),)
+        ship_by_value(bootstrap)
+        inband = pickle.PickleBuffer(self.inband)
+        return bootstrap.rebuild_native, (self.native, inband, self.buffers)
 
 
 @functools.cache
@@ -109,10 +142,11 @@ def pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
 
 
 def _dumps(pickler_class: type[pickle.Pickler], value: Any, keyed: bool = True) -> Serialized:
+    native, pickled = native_split(value)
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
-    pickler_class(stream, protocol=5, buffer_callback=buffers.append).dump(value)
-    return Serialized(stream.getvalue(), buffers, keyed)
+    pickler_class(stream, protocol=5, buffer_callback=buffers.append).dump(pickled)
+    return Serialized(native, stream.getvalue(), buffers, keyed)
 
 
 class _Probe:
