@@ -21,6 +21,8 @@ class TypeTable(Generic[V]):
     def __init__(self) -> None:
         self._entries: dict[type, V] = {}
         self._resolved: dict[type, V | None] = {}
+        #: Classes resolved for good: no entry waiting for a module could apply to them.
+        self._settled: set[type] = set()
         #: Top-level package -> the entries waiting for one of its modules to be imported.
         self._lazy: dict[str, list[tuple[str, str, V]]] = {}
 
@@ -28,12 +30,14 @@ class TypeTable(Generic[V]):
         if replace or cls not in self._entries:
             self._entries[cls] = value
             self._resolved.clear()
+            self._settled.clear()
 
     def register_lazy(self, module: str, name: str, value: V) -> None:
         """Register ``value`` for ``module.name`` once that module is in ``sys.modules``; an
         entry already registered for that class is kept."""
         self._lazy.setdefault(module.partition(".")[0], []).append((module, name, value))
         self._resolved.clear()
+        self._settled.clear()
 
     def registers(self, *classes: type) -> Callable[[F], F]:
         """Decorator: register the function it decorates for ``classes``."""
@@ -89,16 +93,17 @@ class TypeTable(Generic[V]):
 
     def lookup(self, cls: type) -> V | None:
         """The value for ``cls`` or its nearest registered base class, cached per class."""
-        try:
-            found = self._resolved[cls]
-            if found is not None or not self._waiting(cls):
-                return found
-        except KeyError:
-            pass
+        if cls in self._settled:
+            return self._resolved[cls]
+        found = self._resolved.get(cls)
+        if found is not None:
+            return found
         for base in cls.__mro__:
             self._load(base)
         found = next((self._entries[b] for b in cls.__mro__ if b in self._entries), None)
         self._resolved[cls] = found
+        if found is not None or not self._waiting(cls):
+            self._settled.add(cls)
         return found
 
     def __bool__(self) -> bool:

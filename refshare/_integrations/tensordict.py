@@ -1,15 +1,55 @@
-"""tensordict's ``TensorDict``, as verl and others send it."""
+"""tensordict's ``TensorDict`` and non-tensor entries, as verl's legacy trainer sends them.
+
+tensordict registers its own reduction with ``copyreg``, which Ray's cloudpickle follows:
+a consolidated ``TensorDict`` (every chunk verl 0.9.1's dispatch puts) pickles as its
+metadata and one uint8 storage, any other as its attributes. ``NonTensorData`` and
+``NonTensorStack`` pickle as their state. Each is keyed by exactly what it pickles as.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from .._keys.sizes import estimate_size, sizes, tensor_nbytes
 from .._keys.tables import builtin_fingerprints
+
+
+def _consolidated(td: Any) -> dict[str, Any] | None:
+    """The storage and metadata a consolidated ``TensorDict`` pickles as, else ``None``."""
+    found = getattr(td, "_consolidated", None)
+    return found if found and found.get("metadata") is not None else None
 
 
 @builtin_fingerprints.registers_lazy("tensordict._td", "TensorDict")
 def tensordict_fingerprint(td: Any) -> Any:
-    """What pickling a ``TensorDict`` sends: its attributes (its tensors send their whole
-    storages, as in any pickle), taken in sorted order, since a ``clone()`` holds the same
-    attributes in another order, which the worker's unpickling cannot tell apart."""
+    """A consolidated ``TensorDict``: its metadata and storage. Any other: its attributes,
+    in sorted order, since a ``clone()`` holds the same attributes in another order, which
+    the worker's unpickling cannot tell apart."""
+    consolidated = _consolidated(td)
+    if consolidated is not None:
+        return "consolidated", consolidated["metadata"], consolidated["storage"]
     return sorted(td.__getstate__().items())
+
+
+@sizes.registers_lazy("tensordict._td", "TensorDict")
+def tensordict_size(td: Any) -> int:
+    """A consolidated ``TensorDict`` sends one storage (its leaves are views of it); any
+    other is sized by walking its members."""
+    consolidated = _consolidated(td)
+    if consolidated is None:
+        return -1
+    return tensor_nbytes(consolidated["storage"]) + estimate_size(consolidated["metadata"])
+
+
+@builtin_fingerprints.registers_lazy("tensordict.tensorclass", "NonTensorData")
+def non_tensor_data_fingerprint(data: Any) -> Any:
+    """What a ``NonTensorData`` pickles as: its state, its empty ``TensorDict`` by the
+    attributes that one pickles as."""
+    state = data.__reduce_ex__(5)[2]
+    return state["tensordict"].__getstate__(), state["non_tensordict"]
+
+
+@builtin_fingerprints.registers_lazy("tensordict.tensorclass", "NonTensorStack")
+def non_tensor_stack_fingerprint(stack: Any) -> Any:
+    """What a ``NonTensorStack`` pickles as: its state (its items, each keyed as above)."""
+    return stack.__reduce_ex__(5)[2]

@@ -108,9 +108,15 @@ def _ndarray_digest(arr: Any, memo: Memo | None, reuse: bool) -> Key | None:
     return leaf_digest(arr, _digest_ndarray, memo, reuse)
 
 
-def _check_tensor(t: Any) -> None:
-    if not pickled_as_storage(t):
+def _check_tensor(t: Any, with_state: bool = False) -> None:
+    if not pickled_as_storage(t, with_state):
         raise Unfingerprintable(f"{t.device.type} {t.layout} tensor, as Ray sends it")
+
+
+def tensor_state(t: Any) -> dict[str, Any] | None:
+    """The attributes of a tensor's own (torch's dynamo marks, say), which torch's
+    pickling sends beside its storage; ``None`` when it has none."""
+    return getattr(t, "__dict__", None) or None
 
 
 def _tensor_head(t: Any, *extra: object) -> xxhash.xxh3_128:
@@ -147,10 +153,11 @@ def _base(t: Any) -> Any:
 @leaf_digests.registers_lazy("torch", "Tensor")
 @leaf_digests.registers_lazy("torch.nn", "Parameter")
 def tensor_digest(t: Any, memo: Memo | None, reuse: bool) -> Key | None:
-    """What pickling a CPU tensor sends: its whole storage, offset, size and stride.
+    """What pickling a CPU tensor sends: its whole storage, offset, size and stride (its
+    attributes, if any, are the pickling pass's to add; see ``tensor_state``).
 
     Views of one storage (the chunks of a batch) hash that storage once per call."""
-    _check_tensor(t)
+    _check_tensor(t, with_state=True)
     storage = t.untyped_storage()
     nbytes = storage.nbytes()
     key = ("storage", storage.data_ptr(), nbytes)

@@ -21,7 +21,7 @@ from .._hashing import SEED, BufferHasher, tagged
 from .._ray.pickling import sent_by_value
 from .._wire import serialized
 from .._wire.arrays import memory_order
-from .leaves import Unfingerprintable, ndarray_head, tensor_digest
+from .leaves import Unfingerprintable, ndarray_head, tensor_digest, tensor_state
 from .stamps import STAMP_MIN_BYTES
 from .tables import Key, Memo, builtin_fingerprints, leaf_digests, user_fingerprints
 
@@ -151,7 +151,11 @@ class _FingerprintPickler(pickle.Pickler):
         if leaf is not None:
             digest = leaf(obj, self.digests, self.reuse)
             if digest is not None:
-                self.tensors = self.tensors or leaf is tensor_digest
+                if leaf is tensor_digest:
+                    self.tensors = True
+                    state = tensor_state(obj)
+                    if state is not None:
+                        return _from_digest, (digest, state)
                 return _from_digest, (digest,)
             if self.strict and getattr(obj, "size", 0) > SERIALIZE_OBJECT_ARRAYS_FROM:
                 raise NeedsSerializing("a large array of Python objects")
@@ -206,7 +210,7 @@ def fingerprint_pass(obj: object, memo: Memo, reuse: bool, strict: bool) -> tupl
     only a real serialization can key (see :func:`identify`)."""
     cls = type(obj)
     leaf = leaf_digests.exact(cls)
-    if leaf is not None:
+    if leaf is not None and not (leaf is tensor_digest and tensor_state(obj)):
         digest = leaf(obj, memo, reuse)
         if digest is not None:
             return digest, False

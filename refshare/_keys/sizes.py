@@ -51,6 +51,13 @@ def tensor_nbytes(t: Any) -> int:
         return int(t.element_size() * t.nelement())
 
 
+@sizes.registers_lazy("torch.nested._internal.nested_tensor", "NestedTensor")
+def _nested_nbytes(nt: Any) -> int:
+    """A jagged nested tensor sends its values, offsets and lengths."""
+    parts = (nt._values, nt._offsets, getattr(nt, "_lengths", None))
+    return sum(tensor_nbytes(part) for part in parts if part is not None)
+
+
 @sizes.registers(TensorElements)
 def _elements_size(wrapper: TensorElements) -> int:
     return int(wrapper.tensor.nelement() * wrapper.tensor.element_size())

@@ -57,17 +57,18 @@ def element_bytes(t: Any) -> Any:
     return storage_bytes(t)[start : start + t.nelement() * t.element_size()]
 
 
-def pickled_as_storage(t: Any) -> bool:
+def pickled_as_storage(t: Any, with_state: bool = False) -> bool:
     """Whether torch's pickling sends ``t`` as its storage and a layout, so that refshare
     can read what it sends in place: a strided CPU tensor, neither quantized nor nested,
-    picklable (a leaf, or not requiring grad), without names or attributes of its own."""
+    picklable (a leaf, or not requiring grad), without names, and (unless ``with_state``)
+    without attributes of its own, which torch's pickling sends beside it."""
     torch = sys.modules["torch"]
     return (
         t.device.type == "cpu"
         and t.layout == torch.strided
         and not (t.is_quantized or t.is_nested)
         and (t.is_leaf or not t.requires_grad)
-        and not getattr(t, "__dict__", None)
+        and (with_state or not getattr(t, "__dict__", None))
         and not any(getattr(t, "names", None) or ())
     )
 
