@@ -21,9 +21,10 @@ per-``.remote()`` overhead refshare adds to small arguments.
 
 Everything runs in one process and one local Ray session; strategies are interleaved
 round-robin within each repetition. Results go to ``fanout.md`` (tables and target
-checks), ``fanout.json`` (raw times) and ``fanout.png`` (log-log plot) in ``--out``.
+checks, see ``_fanout_report.py``), ``fanout.json`` (raw times) and ``fanout.png`` (log-log
+plot) in ``--out``.
 
-    python benchmarks/fanout.py            # full run (about 10 minutes on 2 cores)
+    python benchmarks/fanout.py            # full run (about 4 minutes on 2 cores)
     python benchmarks/fanout.py --quick    # about a minute
     python benchmarks/fanout.py --smoke    # seconds: for the test suite
     python benchmarks/fanout.py --profile  # pyinstrument of refshare repeat calls
@@ -33,8 +34,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -42,62 +41,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import _harness as bench
+import _fanout_report
 import numpy as np
 import ray
 import xxhash
-from _harness import (
-    DASH,
-    TIMES,
-    GiB,
-    KiB,
-    MiB,
-    StoreMonitor,
-    log,
-    median,
-    ms,
-    rotated,
-    size_label,
-    table,
-)
+from _fanout_report import TARGET_BYTES, TARGET_N
+from _harness import options, report, session
+from _harness.report import TIMES, GiB, KiB, MiB, log, ms, size_label
+from _harness.stats import median, rotated
 
 import refshare
-
-#: Strategies in table order, with their display labels.
-STRATEGIES: dict[str, str] = {
-    "by_value": "by value",
-    "per_call_put": "per-call put",
-    "refshare_first": "refshare first",
-    "refshare_repeat": "refshare repeat",
-    "refshare_reuse": "refshare reuse",
-    "ideal": "ideal",
-}
-#: Physical yardsticks timed on the driver alone, per payload.
-YARDSTICKS: dict[str, str] = {
-    "xxh3_128": "xxh3_128 (1 thread)",
-    "memcpy": "memcpy (np.copyto)",
-    "fingerprint": "refshare.fingerprint",
-}
-#: (label, numerator, denominator) of the ratio columns: > 1 means the denominator is faster.
-RATIOS: tuple[tuple[str, str, str], ...] = (
-    ("by value / repeat", "by_value", "refshare_repeat"),
-    ("per-call put / repeat", "per_call_put", "refshare_repeat"),
-    ("repeat / ideal", "refshare_repeat", "ideal"),
-    ("first / per-call put", "refshare_first", "per_call_put"),
-    ("reuse / ideal", "refshare_reuse", "ideal"),
-)
-#: The project's targets at 64 MiB, N=4, warm: (ratio label, "min" or "max", bound).
-TARGET_PAYLOAD = "64 MiB"
-TARGET_N = 4
-TARGETS: tuple[tuple[str, str, float], ...] = (
-    ("by value / repeat", "min", 3.5),
-    ("per-call put / repeat", "min", 1.5),
-    ("repeat / ideal", "max", 1.5),
-    ("first / per-call put", "max", 1.15),
-)
-FINGERPRINT_TARGET = 0.85  # fingerprint speed relative to bare single-thread xxh3_128
-SMALL_ARGS_TARGET = 1.05  # decorated / undecorated fan-out time with small arguments
-
 
 # -- configuration --------------------------------------------------------------------------
 
@@ -121,63 +74,15 @@ class Config:
     small_reps: int  # fan-outs per variant in the small-argument overhead test
 
 
+FULL_SIZES = (10 * KiB, 32 * KiB, 100 * KiB, 320 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB)
 MODES: dict[str, Config] = {
-    "full": Config(
-        mode="full",
-        sizes=(
-            10 * KiB,
-            32 * KiB,
-            100 * KiB,
-            320 * KiB,
-            MiB,
-            4 * MiB,
-            16 * MiB,
-            64 * MiB,
-            256 * MiB,
-        ),
-        workers=(1, 2, 4, 8),
-        reps=9,
-        store_bytes=4 * GiB,
-        dict_arrays=4,
-        dict_bytes=64 * MiB,
-        tensor_bytes=64 * MiB,
-        cold_size=64 * MiB,
-        cold_n=4,
-        memory_min_bytes=MiB,
-        hold_s=0.4,
-        small_reps=400,
-    ),
-    "quick": Config(
-        mode="quick",
-        sizes=(10 * KiB, 100 * KiB, MiB, 16 * MiB, 64 * MiB),
-        workers=(1, 2, 4, 8),
-        reps=5,
-        store_bytes=GiB,
-        dict_arrays=4,
-        dict_bytes=64 * MiB,
-        tensor_bytes=16 * MiB,
-        cold_size=64 * MiB,
-        cold_n=4,
-        memory_min_bytes=64 * MiB,
-        hold_s=0.25,
-        small_reps=200,
-    ),
-    "smoke": Config(
-        mode="smoke",
-        sizes=(10 * KiB, 256 * KiB),
-        workers=(1, 2),
-        reps=2,
-        store_bytes=128 * MiB,
-        dict_arrays=4,
-        dict_bytes=256 * KiB,
-        tensor_bytes=256 * KiB,
-        cold_size=256 * KiB,
-        cold_n=2,
-        memory_min_bytes=256 * KiB,
-        hold_s=0.15,
-        small_reps=10,
-    ),
-}
+    "full": Config("full", (*FULL_SIZES, 256 * MiB), (1, 2, 4, 8), 9, 4 * GiB,
+                   4, 64 * MiB, 64 * MiB, 64 * MiB, 4, MiB, 0.4, 400),
+    "quick": Config("quick", (10 * KiB, 100 * KiB, MiB, 16 * MiB, 64 * MiB), (1, 2, 4, 8), 5, GiB,
+                    4, 64 * MiB, 16 * MiB, 64 * MiB, 4, 64 * MiB, 0.25, 200),
+    "smoke": Config("smoke", (10 * KiB, 256 * KiB), (1, 2), 2, 128 * MiB,
+                    4, 256 * KiB, 256 * KiB, 256 * KiB, 2, 256 * KiB, 0.15, 10),
+}  # fmt: skip
 
 
 # -- payloads -------------------------------------------------------------------------------
@@ -217,27 +122,14 @@ def payloads(config: Config) -> tuple[list[Payload], list[str]]:
         for n in config.sizes
     ]
     per = size_label(config.dict_bytes // config.dict_arrays)
-    found.append(
-        Payload(
-            f"dict {config.dict_arrays}{TIMES}{per}",
-            "dict",
-            config.dict_bytes,
-            lambda: _random_dict(config.dict_arrays, config.dict_bytes),
-        )
-    )
-    skipped = []
+    dict_label = f"dict {config.dict_arrays}{TIMES}{per}"
+    make_dict = functools.partial(_random_dict, config.dict_arrays, config.dict_bytes)
+    found.append(Payload(dict_label, "dict", config.dict_bytes, make_dict))
     if importlib.util.find_spec("torch") is None:
-        skipped.append("bf16 tensor: torch is not importable")
-    else:
-        found.append(
-            Payload(
-                f"bf16 tensor {size_label(config.tensor_bytes)}",
-                "bf16 tensor",
-                config.tensor_bytes,
-                lambda: _random_tensor(config.tensor_bytes),
-            )
-        )
-    return found, skipped
+        return found, ["bf16 tensor: torch is not importable"]
+    tensor_label = f"bf16 tensor {size_label(config.tensor_bytes)}"
+    make_tensor = functools.partial(_random_tensor, config.tensor_bytes)
+    return [*found, Payload(tensor_label, "bf16 tensor", config.tensor_bytes, make_tensor)], []
 
 
 def raw_buffers(value: Any) -> list[np.ndarray]:
@@ -266,15 +158,10 @@ class Worker:
         return len(x)
 
     def touch(self, x: np.ndarray) -> int:
-        """Read one byte of every page of ``x``, so this process has them all mapped."""
-        return int(x.reshape(-1).view(np.uint8)[::4096].sum())
+        return session.touch(x)
 
     def small(self, *args: Any) -> int:
         return len(args)
-
-
-def new_worker() -> Any:
-    return Worker.remote()  # type: ignore[attr-defined]
 
 
 def fan_out(workers: Sequence[Any], x: Any, hold_s: float = 0.0) -> list[int]:
@@ -302,16 +189,14 @@ def submit_small(workers: Sequence[Any], *args: Any) -> tuple[list[Any], float]:
 shared_submit_small = refshare.shared_args(submit_small)
 
 
-# -- strategies -----------------------------------------------------------------------------
+# -- strategies: an untimed preparation, then the timed call ----------------------------------
 
 
 class Case:
     """One payload fanned out to one set of workers, with the ideal strategy's ref."""
 
     def __init__(self, payload: Payload, value: Any, workers: Sequence[Any]) -> None:
-        self.payload = payload
-        self.value = value
-        self.workers = workers
+        self.payload, self.value, self.workers = payload, value, workers
         self.ideal_ref: Any = None
 
     def reset(self) -> None:
@@ -319,72 +204,46 @@ class Case:
         refshare.clear()
         self.ideal_ref = None
 
-
-def _prepare_nothing(case: Case) -> None:
-    pass
-
-
-def _prepare_cold_cache(case: Case) -> None:
-    refshare.clear()
+    def check(self, results: list[int]) -> None:
+        expected = [len(self.value)] * len(self.workers)
+        if results != expected:
+            raise RuntimeError(f"{self.payload.label}: workers returned {results}, not {expected}")
 
 
-def _prepare_warm_cache(case: Case) -> None:
-    shared_fan_out(case.workers, case.value)
-
-
-def _prepare_warm_reuse(case: Case) -> None:
-    reuse_fan_out(case.workers, case.value)
-
-
-def _prepare_ideal(case: Case) -> None:
+def _put_ideal(case: Case) -> None:
     if case.ideal_ref is None:
         case.ideal_ref = ray.put(case.value)
 
 
-def _call_by_value(case: Case, hold_s: float) -> list[int]:
-    return fan_out(case.workers, case.value, hold_s)
-
-
-def _call_per_call_put(case: Case, hold_s: float) -> list[int]:
-    ref = ray.put(case.value)
-    return fan_out(case.workers, ref, hold_s)
-
-
-def _call_shared(case: Case, hold_s: float) -> list[int]:
-    return shared_fan_out(case.workers, case.value, hold_s)
-
-
-def _call_reuse(case: Case, hold_s: float) -> list[int]:
-    return reuse_fan_out(case.workers, case.value, hold_s)
-
-
-def _call_ideal(case: Case, hold_s: float) -> list[int]:
-    return fan_out(case.workers, case.ideal_ref, hold_s)
-
-
-#: name -> (untimed preparation, timed call)
-PLANS: dict[str, tuple[Callable[[Case], None], Callable[[Case, float], list[int]]]] = {
-    "by_value": (_prepare_nothing, _call_by_value),
-    "per_call_put": (_prepare_nothing, _call_per_call_put),
-    "refshare_first": (_prepare_cold_cache, _call_shared),
-    "refshare_repeat": (_prepare_warm_cache, _call_shared),
-    "refshare_reuse": (_prepare_warm_reuse, _call_reuse),
-    "ideal": (_prepare_ideal, _call_ideal),
+Prepare = Callable[[Case], Any]
+Call = Callable[[Case, float], list[int]]
+#: name -> (untimed preparation, timed call), in table order.
+PLANS: dict[str, tuple[Prepare, Call]] = {
+    "by_value": (lambda case: None, lambda case, hold: fan_out(case.workers, case.value, hold)),
+    "per_call_put": (
+        lambda case: None,
+        lambda case, hold: fan_out(case.workers, ray.put(case.value), hold),
+    ),
+    "refshare_first": (
+        lambda case: refshare.clear(),
+        lambda case, hold: shared_fan_out(case.workers, case.value, hold),
+    ),
+    "refshare_repeat": (
+        lambda case: shared_fan_out(case.workers, case.value),
+        lambda case, hold: shared_fan_out(case.workers, case.value, hold),
+    ),
+    "refshare_reuse": (
+        lambda case: reuse_fan_out(case.workers, case.value),
+        lambda case, hold: reuse_fan_out(case.workers, case.value, hold),
+    ),
+    "ideal": (_put_ideal, lambda case, hold: fan_out(case.workers, case.ideal_ref, hold)),
 }
-
-
+STRATEGIES = tuple(PLANS)
 #: The strategies that go through refshare, whose puts and hits are counted.
 SHARED = ("refshare_first", "refshare_repeat", "refshare_reuse")
 
 
-def _check(case: Case, results: list[int]) -> None:
-    expected = [len(case.value)] * len(case.workers)
-    if results != expected:
-        raise RuntimeError(f"{case.payload.label}: workers returned {results}, not {expected}")
-
-
-def _checked_call(call: Callable[[Case, float], list[int]], case: Case, hold_s: float) -> None:
-    _check(case, call(case, hold_s))
+# -- measuring ------------------------------------------------------------------------------
 
 
 def time_case(case: Case, reps: int) -> tuple[dict[str, list[float]], dict[str, dict[str, int]]]:
@@ -393,15 +252,13 @@ def time_case(case: Case, reps: int) -> tuple[dict[str, list[float]], dict[str, 
     An untimed round comes first: first calls pay one-time costs (a worker importing torch
     to deserialize a tensor, say) that are not transport.
     """
-    names = list(STRATEGIES)
-    for name in names:
-        prepare, call = PLANS[name]
+    for prepare, call in PLANS.values():
         prepare(case)
-        _check(case, call(case, 0.0))
-    times: dict[str, list[float]] = {name: [] for name in names}
+        case.check(call(case, 0.0))
+    times: dict[str, list[float]] = {name: [] for name in STRATEGIES}
     counts = {name: {"puts": 0, "hits": 0} for name in SHARED}
     for rep in range(reps):
-        for name in rotated(names, rep):
+        for name in rotated(STRATEGIES, rep):
             prepare, call = PLANS[name]
             prepare(case)
             before = refshare.stats()
@@ -409,7 +266,7 @@ def time_case(case: Case, reps: int) -> tuple[dict[str, list[float]], dict[str, 
             results = call(case, 0.0)
             times[name].append(time.perf_counter() - start)
             after = refshare.stats()
-            _check(case, results)
+            case.check(results)
             if name in counts:
                 counts[name]["puts"] += after.puts - before.puts
                 counts[name]["hits"] += after.hits - before.hits
@@ -426,7 +283,7 @@ def measure_cold(case: Case) -> dict[str, float]:
     times: dict[str, float] = {}
     start = time.perf_counter()
     kept = ray.put(value)
-    _check(case, fan_out(workers, kept))
+    case.check(fan_out(workers, kept))
     times["per_call_put"] = time.perf_counter() - start
     refshare.clear()
     for name, fn in (
@@ -435,48 +292,39 @@ def measure_cold(case: Case) -> dict[str, float]:
         ("refshare_reuse", reuse_fan_out),
     ):
         start = time.perf_counter()
-        _check(case, fn(workers, value))
+        case.check(fn(workers, value))
         times[name] = time.perf_counter() - start
     case.ideal_ref = ray.put(value)
-    start = time.perf_counter()
-    _check(case, fan_out(workers, case.ideal_ref))
-    times["ideal"] = time.perf_counter() - start
-    start = time.perf_counter()
-    _check(case, fan_out(workers, value))
-    times["by_value"] = time.perf_counter() - start
+    for name, x in (("ideal", case.ideal_ref), ("by_value", value)):
+        start = time.perf_counter()
+        case.check(fan_out(workers, x))
+        times[name] = time.perf_counter() - start
     del kept
     case.reset()
     return {name: times[name] for name in STRATEGIES}
 
 
-# -- object store ---------------------------------------------------------------------------
-
-
-def measure_in_flight(case: Case, monitor: StoreMonitor, hold_s: float) -> dict[str, float]:
+def measure_in_flight(case: Case, monitor: session.StoreMonitor, hold_s: float) -> dict[str, float]:
     """Object-store bytes each strategy holds while its tasks are in flight."""
     held: dict[str, float] = {}
-    for name in STRATEGIES:
-        prepare, call = PLANS[name]
+    for name, (prepare, call) in PLANS.items():
         case.reset()
         base = monitor.settled(max(0.15, hold_s / 2))
         prepare(case)
-        peak = monitor.peak_during(functools.partial(_checked_call, call, case, hold_s))
+        peak = monitor.peak_during(lambda call=call: case.check(call(case, hold_s)))
         held[name] = max(0.0, peak - base)
     case.reset()
     return held
 
 
 def warm_store(workers: Sequence[Any], store_bytes: int, value: Any) -> float:
-    """Warm the object store and every worker's mapping of it (``bench.warm_store``), then
+    """Warm the object store and every worker's mapping of it (``session.warm_store``), then
     make two by-value fan-outs of ``value``. Returns the seconds it took."""
     start = time.perf_counter()
-    bench.warm_store(workers, store_bytes)
+    session.warm_store(workers, store_bytes)
     for _ in range(2):
         fan_out(workers, value)
     return time.perf_counter() - start
-
-
-# -- yardsticks and small-argument overhead -------------------------------------------------
 
 
 def time_yardsticks(value: Any, reps: int) -> dict[str, list[float]]:
@@ -534,44 +382,25 @@ def time_small_args(workers: Sequence[Any], reps: int) -> dict[str, dict[str, li
 # -- the run --------------------------------------------------------------------------------
 
 
-def start_ray(config: Config) -> None:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(
-        address="local",
-        num_cpus=2,
-        object_store_memory=config.store_bytes,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
-
-
 def run(config: Config) -> dict[str, Any]:
     """Run every measurement of ``config``; return the raw results."""
     found, skipped = payloads(config)
-    # Before measuring: the refshare revision that was imported.
-    meta = bench.machine(
-        "fanout.py",
-        ray_init={
-            "num_cpus": 2,
-            "object_store_memory": config.store_bytes,
-            "actor_num_cpus": 0.1,
-        },
-    )
+    ray_init = {"num_cpus": 2, "object_store_memory": config.store_bytes, "actor_num_cpus": 0.1}
+    meta = report.machine("fanout.py", ray_init=ray_init)  # before measuring: what was imported
     started = time.perf_counter()
-    start_ray(config)
+    session.start_ray(config.store_bytes)
     try:
-        all_workers = [new_worker() for _ in range(max(config.workers))]
-        ray.get([w.f.remote(b"") for w in all_workers])
-        results = measure_all(config, found, all_workers)
+        workers = [Worker.remote() for _ in range(max(config.workers))]  # type: ignore[attr-defined]
+        ray.get([w.f.remote(b"") for w in workers])
+        results = measure_all(config, found, workers)
     finally:
         ray.shutdown()
-    meta["seconds"] = round(time.perf_counter() - started, 1)
+    report.finished(meta, started)
     return {"meta": meta, **results, "skipped": skipped}
 
 
 def measure_all(config: Config, found: list[Payload], all_workers: list[Any]) -> dict[str, Any]:
-    monitor = StoreMonitor()
+    monitor = session.StoreMonitor()
     cold_payload = next(p for p in found if p.kind == "float64" and p.nbytes == config.cold_size)
     cold_value = cold_payload.make()
     log(f"cold: {cold_payload.label}, N={config.cold_n}")
@@ -584,15 +413,9 @@ def measure_all(config: Config, found: list[Payload], all_workers: list[Any]) ->
     cases, yardsticks = [], []
     for payload in found:
         value = cold_value if payload is cold_payload else payload.make()
+        about = {"payload": payload.label, "kind": payload.kind, "nbytes": payload.nbytes}
         log(f"{payload.label}: yardsticks")
-        yardsticks.append(
-            {
-                "payload": payload.label,
-                "kind": payload.kind,
-                "nbytes": payload.nbytes,
-                "times": time_yardsticks(value, max(3 * config.reps, 5)),
-            }
-        )
+        yardsticks.append({**about, "times": time_yardsticks(value, max(3 * config.reps, 5))})
         for n in config.workers:
             log(f"{payload.label}: N={n}")
             case = Case(payload, value, all_workers[:n])
@@ -601,432 +424,20 @@ def measure_all(config: Config, found: list[Payload], all_workers: list[Any]) ->
             if payload.nbytes >= config.memory_min_bytes:
                 held = measure_in_flight(case, monitor, config.hold_s)
             case.reset()
-            cases.append(
-                {
-                    "payload": payload.label,
-                    "kind": payload.kind,
-                    "nbytes": payload.nbytes,
-                    "n": n,
-                    "times": times,
-                    "refshare_counts": counts,
-                    "store_in_flight": held,
-                }
-            )
+            cases.append({**about, "n": n, "times": times, "refshare_counts": counts,
+                          "store_in_flight": held})  # fmt: skip
         del value
     log("small-argument overhead")
     small = time_small_args(all_workers, config.small_reps)
+    cold_about = {"payload": cold_payload.label, "nbytes": cold_payload.nbytes}
     return {
         "config": asdict(config),
-        "cold": {
-            "payload": cold_payload.label,
-            "nbytes": cold_payload.nbytes,
-            "n": config.cold_n,
-            "times": cold,
-        },
+        "cold": {**cold_about, "n": config.cold_n, "times": cold},
         "warmup_seconds": warm_seconds,
         "cases": cases,
         "yardsticks": yardsticks,
         "small_args": {"n": len(all_workers), "args": repr(SMALL_ARGS), "times": small},
     }
-
-
-# -- analysis -------------------------------------------------------------------------------
-
-
-def case_ratios(times: dict[str, list[float]]) -> dict[str, float]:
-    return {label: median(times[a]) / median(times[b]) for label, a, b in RATIOS}
-
-
-def find_case(results: dict[str, Any], payload: str, n: int) -> dict[str, Any] | None:
-    return next((c for c in results["cases"] if c["payload"] == payload and c["n"] == n), None)
-
-
-def crossover(results: dict[str, Any], strategy: str, n: int) -> dict[str, int | None]:
-    """The smallest float64 size from which ``strategy`` beats by value at every larger size.
-
-    ``faster_from`` is None when it never does; ``not_faster_at`` is the next smaller
-    size measured (None when it wins at the smallest size too).
-    """
-    sweep = sorted(
-        (c for c in results["cases"] if c["kind"] == "float64" and c["n"] == n),
-        key=lambda c: c["nbytes"],
-    )
-    faster_from: int | None = None
-    not_faster_at: int | None = None
-    for case in reversed(sweep):
-        if median(case["times"][strategy]) < median(case["times"]["by_value"]):
-            faster_from = case["nbytes"]
-        else:
-            not_faster_at = case["nbytes"]
-            break
-    return {"faster_from": faster_from, "not_faster_at": not_faster_at}
-
-
-def summarize(results: dict[str, Any]) -> dict[str, Any]:
-    """The target checks and crossovers, as stored in the JSON and printed in the summary."""
-    target_case = find_case(results, TARGET_PAYLOAD, TARGET_N)
-    ratios = case_ratios(target_case["times"]) if target_case else {}
-    targets = []
-    for label, kind, bound in TARGETS:
-        value = ratios.get(label)
-        passed = None if value is None else (value >= bound if kind == "min" else value <= bound)
-        targets.append(
-            {"ratio": label, "value": value, "kind": kind, "bound": bound, "pass": passed}
-        )
-    fingerprint = next((y for y in results["yardsticks"] if y["payload"] == TARGET_PAYLOAD), None)
-    fp_speed = (
-        median(fingerprint["times"]["xxh3_128"]) / median(fingerprint["times"]["fingerprint"])
-        if fingerprint
-        else None
-    )
-    small = results["small_args"]["times"]
-    small_ratio = median(small["decorated"]["fan_out"]) / median(small["undecorated"]["fan_out"])
-    others = [
-        {
-            "ratio": "fingerprint speed / bare xxh3_128",
-            "value": fp_speed,
-            "kind": "min",
-            "bound": FINGERPRINT_TARGET,
-            "pass": None if fp_speed is None else fp_speed >= FINGERPRINT_TARGET,
-        },
-        {
-            "ratio": "reuse / ideal (reuse_fingerprints=True, 64 MiB, N=4)",
-            "value": ratios.get("reuse / ideal"),
-            "kind": "max",
-            "bound": TARGETS[2][2],
-            "pass": None if not ratios else ratios["reuse / ideal"] <= TARGETS[2][2],
-        },
-        {
-            "ratio": "small args: decorated / undecorated fan-out",
-            "value": small_ratio,
-            "kind": "max",
-            "bound": SMALL_ARGS_TARGET,
-            "pass": small_ratio <= SMALL_ARGS_TARGET,
-        },
-    ]
-    breakdown = None
-    if target_case and fingerprint:
-        breakdown = {
-            name: median(target_case["times"][name]) for name in ("refshare_repeat", "ideal")
-        } | {name: median(fingerprint["times"][name]) for name in ("fingerprint", "xxh3_128")}
-    workers = results["config"]["workers"]
-    return {
-        "targets": targets,
-        "other_targets": others,
-        "breakdown": breakdown,
-        "crossover": {
-            strategy: {str(n): crossover(results, strategy, n) for n in workers}
-            for strategy in ("refshare_repeat", "refshare_first")
-        },
-    }
-
-
-# -- report ---------------------------------------------------------------------------------
-
-
-def spread(values: Sequence[float]) -> str:
-    """``median (min-max)`` in milliseconds."""
-    return f"{ms(median(values))} ({ms(min(values))}{DASH}{ms(max(values))})"
-
-
-def held_cell(held: dict[str, float] | None, name: str, nbytes: int) -> str:
-    """Store bytes held in flight, in MiB and in copies of the payload."""
-    if held is None:
-        return "-"
-    mib = held[name] / MiB
-    return f"{mib:.{0 if mib >= 10 else 2}f} MiB ({held[name] / nbytes:.1f}{TIMES})"
-
-
-def summary_lines(summary: dict[str, Any]) -> list[str]:
-    def verdict(entry: dict[str, Any]) -> list[str]:
-        sign = ">=" if entry["kind"] == "min" else "<="
-        value = "n/a" if entry["value"] is None else f"{entry['value']:.2f}{TIMES}"
-        result = {True: "PASS", False: "FAIL", None: "not measured"}[entry["pass"]]
-        return [entry["ratio"], value, f"{sign} {entry['bound']:g}{TIMES}", result]
-
-    lines = [f"## Summary: {TARGET_PAYLOAD} float64, N={TARGET_N}, warm store", ""]
-    lines += table(
-        ["ratio", "measured", "target", "result"], [verdict(t) for t in summary["targets"]]
-    )
-    lines += ["", "Other targets (fingerprint at 64 MiB; small arguments under min_bytes):", ""]
-    lines += table(
-        ["ratio", "measured", "target", "result"], [verdict(t) for t in summary["other_targets"]]
-    )
-    if summary["breakdown"]:
-        b = summary["breakdown"]
-        lines += [
-            "",
-            f"Where the repeat call's time goes: refshare repeat {ms(b['refshare_repeat'])} ms "
-            f"- ideal {ms(b['ideal'])} ms = {ms(b['refshare_repeat'] - b['ideal'])} ms over "
-            f"dispatch; refshare.fingerprint of the payload alone takes "
-            f"{ms(b['fingerprint'])} ms (bare 1-thread xxh3_128: {ms(b['xxh3_128'])} ms).",
-        ]
-    lines += ["", "Crossover (float64 sweep, medians; refshare with min_bytes=0):", ""]
-    for strategy, per_n in summary["crossover"].items():
-        for n, found in per_n.items():
-            lines.append(f"- {STRATEGIES[strategy]} vs by value, N={n}: {crossover_text(found)}")
-    return lines
-
-
-def crossover_text(found: dict[str, int | None]) -> str:
-    if found["faster_from"] is None:
-        return "not faster at any size measured"
-    text = f"faster from {size_label(found['faster_from'])} up"
-    if found["not_faster_at"] is None:
-        return text + " (every size measured)"
-    return text + f"; not faster at {size_label(found['not_faster_at'])}"
-
-
-def report(results: dict[str, Any], summary: dict[str, Any]) -> str:
-    """fanout.md."""
-    meta, config = results["meta"], results["config"]
-    versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
-    lines = [
-        "# refshare fan-out benchmark",
-        "",
-        f"Command: `{meta['command']}` ({config['mode']} mode, {meta['date']}, "
-        f"{meta['seconds']} s)",
-        "",
-        f"Machine: {meta['cpu']}, {meta['cores']} cores; {meta['platform']}; {versions}.",
-        "",
-        f"Revision: `{meta['git']['head'] or 'unknown'}`.",
-        "",
-        f"Ray: one local session, `ray.init(num_cpus=2, object_store_memory="
-        f"{size_label(config['store_bytes'])})`, actors with num_cpus=0.1; "
-        f"{config['reps']} repetitions per case, strategies interleaved round-robin; "
-        f"store warmed before timing ({results['warmup_seconds']:.1f} s).",
-        "",
-    ]
-    if results["skipped"]:
-        lines += ["Skipped: " + "; ".join(results["skipped"]) + ".", ""]
-    lines += summary_lines(summary)
-    lines += ["", *times_section(results), "", *memory_section(results), ""]
-    lines += [*yardstick_section(results), "", *cold_section(results), ""]
-    lines += [*small_args_section(results), "", *notes()]
-    return "\n".join(lines) + "\n"
-
-
-def times_section(results: dict[str, Any]) -> list[str]:
-    header = [
-        "payload",
-        "N",
-        *STRATEGIES.values(),
-        *(label for label, _, _ in RATIOS),
-        "store in flight: by value",
-        "store in flight: refshare repeat",
-    ]
-    rows = []
-    for case in results["cases"]:
-        times, held = case["times"], case["store_in_flight"]
-        ratios = case_ratios(times)
-        rows.append(
-            [
-                case["payload"],
-                str(case["n"]),
-                *(spread(times[name]) for name in STRATEGIES),
-                *(f"{ratios[label]:.2f}" for label, _, _ in RATIOS),
-                held_cell(held, "by_value", case["nbytes"]),
-                held_cell(held, "refshare_repeat", case["nbytes"]),
-            ]
-        )
-    return [
-        "## Fan-out times, warm store",
-        "",
-        f"Milliseconds per fan-out: median ({'min' + DASH + 'max'}). Ratios of medians.",
-        "",
-        *table(header, rows),
-    ]
-
-
-def memory_section(results: dict[str, Any]) -> list[str]:
-    rows = [
-        [
-            case["payload"],
-            str(case["n"]),
-            *(held_cell(case["store_in_flight"], name, case["nbytes"]) for name in STRATEGIES),
-        ]
-        for case in results["cases"]
-        if case["store_in_flight"] is not None
-    ]
-    return [
-        "## Object store held while tasks are in flight",
-        "",
-        "Peak store usage above the idle level while every worker holds its argument "
-        f"({results['config']['hold_s']} s), in MiB and in copies of the payload.",
-        "",
-        *table(["payload", "N", *STRATEGIES.values()], rows),
-    ]
-
-
-def yardstick_section(results: dict[str, Any]) -> list[str]:
-    rows = []
-    for entry in results["yardsticks"]:
-        times = entry["times"]
-        gbs = entry["nbytes"] / median(times["xxh3_128"]) / 1e9
-        speed = median(times["xxh3_128"]) / median(times["fingerprint"])
-        rows.append(
-            [
-                entry["payload"],
-                *(spread(times[name]) for name in YARDSTICKS),
-                f"{gbs:.1f}",
-                f"{speed:.2f}",
-            ]
-        )
-    header = ["payload", *YARDSTICKS.values(), "xxh3_128 GB/s", "fingerprint speed / xxh3_128"]
-    return [
-        "## Hashing and copying yardsticks (driver only)",
-        "",
-        "Milliseconds: median (min" + DASH + "max).",
-        "",
-        *table(header, rows),
-    ]
-
-
-def cold_section(results: dict[str, Any]) -> list[str]:
-    cold = results["cold"]
-    warm = find_case(results, cold["payload"], cold["n"])
-    rows = [
-        [label, ms(cold["times"][name]), spread(warm["times"][name]) if warm else "-"]
-        for name, label in STRATEGIES.items()
-    ]
-    return [
-        f"## Cold store: {cold['payload']}, N={cold['n']}",
-        "",
-        "One call each before the store was warmed, in the order per-call put, refshare "
-        "first, refshare repeat, refshare reuse, ideal, by value; earlier objects kept alive "
-        "so each allocation landed on fresh pages. Milliseconds.",
-        "",
-        *table(["strategy", "cold", "warm median (min" + DASH + "max)"], rows),
-    ]
-
-
-def small_args_section(results: dict[str, Any]) -> list[str]:
-    small = results["small_args"]
-    times = small["times"]
-    rows = []
-    for name in ("undecorated", "decorated"):
-        rows.append(
-            [name, spread(times[name]["fan_out"]), f"{median(times[name]['per_remote']) * 1e6:.1f}"]
-        )
-    extra = (
-        median(times["decorated"]["per_remote"]) - median(times["undecorated"]["per_remote"])
-    ) * 1e6
-    ratio = median(times["decorated"]["fan_out"]) / median(times["undecorated"]["fan_out"])
-    return [
-        "## Small arguments (under min_bytes): refshare's per-call overhead",
-        "",
-        f"N={small['n']} workers, args `{small['args']}`, default decorator options, "
-        f"{len(times['decorated']['fan_out'])} fan-outs each, interleaved.",
-        "",
-        *table(
-            [
-                "variant",
-                "fan-out ms: median (min" + DASH + "max)",
-                "submit us per .remote() (median)",
-            ],
-            rows,
-        ),
-        "",
-        f"Decorated / undecorated fan-out: {ratio:.3f}{TIMES}; "
-        f"refshare adds {extra:.1f} us per .remote().",
-    ]
-
-
-def notes() -> list[str]:
-    return [
-        "## How it was measured",
-        "",
-        "- Each worker method returns `len(x)`: the argument is deserialized (zero-copy from "
-        "the store for arrays) and nothing else is done with it.",
-        "- refshare first: `refshare.clear()` (untimed) before each call, so the content is "
-        "new to the cache. refshare repeat: an untimed call first, so the cache is warm.",
-        "- refshare reuse: as refshare repeat, with `reuse_fingerprints=True`. The arrays "
-        "are read-only (tensors are versioned), so their digests are kept across calls. "
-        "The project's targets are on refshare repeat, the default.",
-        "- ideal: one `ray.put` per case, before timing; the timed call only dispatches.",
-        "- Store in flight: `ray.available_resources()['object_store_memory']`, sampled "
-        "every 20 ms while workers sleep with their argument; the raylet reports it about "
-        "every 100 ms.",
-        "- The store is warmed by filling 90% of it with objects alive at once, having "
-        "every worker read a byte of each page, then two by-value fan-outs of the largest "
-        "payload.",
-    ]
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    """fanout.png: log-log time against size, one line per strategy, one panel per N."""
-    plt = bench.pyplot()
-    workers = results["config"]["workers"]
-    cols = min(2, len(workers))
-    rows = -(-len(workers) // cols)
-    fig, axes = plt.subplots(
-        rows, cols, figsize=(6 * cols, 4.2 * rows + 1), sharex=True, sharey=True, squeeze=False
-    )
-    yard = sorted(
-        (y for y in results["yardsticks"] if y["kind"] == "float64"), key=lambda y: y["nbytes"]
-    )
-    for ax, n in zip(axes.flat, workers, strict=False):
-        sweep = sorted(
-            (c for c in results["cases"] if c["kind"] == "float64" and c["n"] == n),
-            key=lambda c: c["nbytes"],
-        )
-        sizes = [c["nbytes"] for c in sweep]
-        for name, label in STRATEGIES.items():
-            med = [median(c["times"][name]) * 1e3 for c in sweep]
-            lo = [min(c["times"][name]) * 1e3 for c in sweep]
-            hi = [max(c["times"][name]) * 1e3 for c in sweep]
-            (line,) = ax.plot(sizes, med, marker="o", markersize=3, label=label)
-            ax.fill_between(sizes, lo, hi, color=line.get_color(), alpha=0.15)
-            for case in results["cases"]:
-                if case["kind"] != "float64" and case["n"] == n:
-                    ax.plot(
-                        case["nbytes"],
-                        median(case["times"][name]) * 1e3,
-                        marker="D",
-                        fillstyle="none",
-                        color=line.get_color(),
-                    )
-        for name, style in (("xxh3_128", ":"), ("memcpy", "--")):
-            ax.plot(
-                [y["nbytes"] for y in yard],
-                [median(y["times"][name]) * 1e3 for y in yard],
-                style,
-                color="gray",
-                label=YARDSTICKS[name],
-            )
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_title(f"N = {n}")
-        ax.grid(True, which="both", alpha=0.3)
-    for ax in axes[-1]:
-        ax.set_xlabel("argument size (bytes)")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("ms per fan-out")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize="small")
-    fig.suptitle(
-        f"refshare fan-out ({results['config']['mode']} mode): median, min-max band; "
-        "diamonds: dict and tensor payloads"
-    )
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_results(results: dict[str, Any], out: Path) -> None:
-    summary = summarize(results)
-    results["summary"] = summary
-    cannot_plot = bench.cannot_plot("fanout.png")
-    if cannot_plot:
-        results["skipped"].append(cannot_plot)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fanout.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "fanout.md").write_text(report(results, summary))
-    if not cannot_plot:
-        plot(results, out / "fanout.png")
-
-
-# -- profile --------------------------------------------------------------------------------
 
 
 def profile(out: Path, calls: int = 100) -> None:
@@ -1037,12 +448,13 @@ def profile(out: Path, calls: int = 100) -> None:
 
     config = MODES["quick"]
     names = ("refshare_repeat", "refshare_reuse", "ideal")
-    start_ray(config)
+    session.start_ray(config.store_bytes)
     try:
-        workers = [new_worker() for _ in range(TARGET_N)]
-        value = _random_array(64 * MiB, seed=1)
+        workers = [Worker.remote() for _ in range(TARGET_N)]  # type: ignore[attr-defined]
+        value = _random_array(TARGET_BYTES, seed=1)
         warm_store(workers, config.store_bytes, value)
-        case = Case(Payload(TARGET_PAYLOAD, "float64", 64 * MiB, lambda: value), value, workers)
+        label = size_label(TARGET_BYTES)
+        case = Case(Payload(label, "float64", TARGET_BYTES, lambda: value), value, workers)
         profilers = {name: Profiler(interval=0.0002) for name in names}
         seconds: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(calls):
@@ -1057,7 +469,7 @@ def profile(out: Path, calls: int = 100) -> None:
     finally:
         ray.shutdown()
     sections = [
-        f"=== {calls} {STRATEGIES[name]} calls, 64 MiB, N=4, interleaved: median "
+        f"=== {calls} {_fanout_report.LABELS[name]} calls, 64 MiB, N=4, interleaved: median "
         f"{ms(median(seconds[name]))} ms each (under the profiler)\n"
         + profilers[name].output_text(unicode=False, color=False)
         for name in names
@@ -1067,23 +479,19 @@ def profile(out: Path, calls: int = 100) -> None:
     print("\n".join(sections))
 
 
-# -- command line ---------------------------------------------------------------------------
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     modes = {
         "quick": "about a minute",
         "smoke": "seconds: tiny sizes, N=1,2",
         "profile": "pyinstrument of refshare repeat, reuse and ideal calls at 64 MiB, N=4",
     }
-    args = bench.parser(__doc__ or "", modes).parse_args(argv)
+    args = options.parser(__doc__ or "", modes).parse_args(argv)
     if args.profile:
         profile(args.out)
         return 0
-    config = MODES[bench.mode(args)]
-    results = run(config)
-    write_results(results, args.out)
-    log(f"wrote {args.out / 'fanout.md'}, fanout.json, fanout.png")
+    results = run(MODES[options.mode(args)])
+    written = _fanout_report.write(results, args.out)
+    log(f"wrote {', '.join(str(args.out / name) for name in written)}")
     print((args.out / "fanout.md").read_text())
     return 0
 

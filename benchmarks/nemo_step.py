@@ -25,19 +25,19 @@ timed once more, whose ratio to plain is the run's own noise.
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-import _harness as bench
 import numpy as np
 import ray
 import torch
 import xxhash
-from _harness import MiB
+from _harness import options, session, steps
+from _harness.report import TIMES, MiB
+from _harness.step_report import goals, setup_lines, step_report
+from _harness.steps import Turn
 
 CALLS = ("get_logprobs", "get_reference_policy_logprobs", "train")
 RUN_METHODS = ("run_all_workers_single_data", "run_all_workers_multiple_data")
@@ -68,7 +68,7 @@ MODES = {
 
 # -- NeMo-RL main (7ea279a), mirrored once, in examples/nemo_style.py -------------------------
 
-nemo = bench.example("nemo_style")
+nemo = steps.example("nemo_style")
 BatchedDataDict, NamedSharding, RayWorkerGroup = (
     nemo.BatchedDataDict,
     nemo.NamedSharding,
@@ -105,7 +105,7 @@ class PolicyWorker:
         self.received: list[int] = []
 
     def touch(self, array: np.ndarray) -> int:
-        return bench.touch(array)
+        return session.touch(array)
 
     def get_logprobs(self, data: Any, **_: Any) -> dict[str, torch.Tensor]:
         self.received.append(checksum(data))
@@ -142,7 +142,7 @@ def run_step(group: RayWorkerGroup, data: BatchedDataDict, strategy: str, sharin
     """One GRPO step under ``strategy``: each call's seconds, bytes stored, checksums."""
     sent: dict[str, list[str]] = {}  # the keys each call sent (the batch grows)
     with sharing.on(strategy):
-        turn = bench.Turn()
+        turn = Turn()
 
         def call(name: str, **common: Any) -> Any:
             sent[name] = list(data)
@@ -157,13 +157,13 @@ def run_step(group: RayWorkerGroup, data: BatchedDataDict, strategy: str, sharin
     if not turn.received[0] == turn.received[1] != turn.received[2] == turn.received[3]:
         raise RuntimeError("the TP ranks of a DP rank should receive the same shards, and only")
     turn.distinct = sum(v.nbytes for v in data.values())
-    if strategy not in bench.UNTOUCHED:
-        turn.stored = turn.counts["step"]["bytes_put"]
+    if strategy not in steps.UNTOUCHED:
+        turn.stored_by_refshare()
         return turn
     # What plain stores, counted now (untimed): each DP shard once per call, by NeMo-RL's puts.
-    for keys in sent.values():
+    for name, keys in sent.items():
         shards = BatchedDataDict({k: data[k] for k in keys}).shard_by_batch_size(DP)
-        turn.stored += bench.by_value_bytes(shards)
+        turn.store(name, steps.by_value_bytes(shards))
     return turn
 
 
@@ -171,42 +171,25 @@ def run(config: Config) -> dict[str, Any]:
     actor_cls = ray.remote(num_cpus=ACTOR_CPUS)(PolicyWorker)
     workers = [actor_cls.remote() for _ in range(WORLD)]
     group = RayWorkerGroup(workers, NamedSharding(LAYOUT, AXES))
-    sharing = bench.Sharing([(RayWorkerGroup, RUN_METHODS)])
+    sharing = steps.Sharing([(RayWorkerGroup, RUN_METHODS)])
+
+    def turn(strategy: str, step: int) -> Turn:
+        return run_step(group, rollout(config, step), strategy, sharing)
+
     try:
-        bench.log("nemo: warming the store")
-        warm_seconds = bench.warm_store(workers, config.store_bytes)
-
-        def turn(strategy: str, step: int) -> bench.Turn:
-            return run_step(group, rollout(config, step), strategy, sharing)
-
-        steps = bench.interleave("nemo", config.warmup + config.steps, turn)
+        _, record = steps.replay("nemo", workers, config, turn, CALLS)
     finally:
-        bench.stop_group(group)
-    timed = steps[config.warmup :]
-    summary = bench.summarize(timed, CALLS)
-    return {
-        "patch": sharing.how,
-        "warm_store_seconds": round(warm_seconds, 1),
-        "summary": summary,
-        "goals": bench.goals(summary, broadcast_hit=None),
-        "checksums_same_every_step": [t["same"] for t in steps],
-    }
+        session.stop_group(group)
+    return {"patch": sharing.how, **record, "goals": goals(record["summary"], broadcast_hit=None)}
 
 
 def report(results: dict[str, Any]) -> str:
     c, r = results["config"], results["result"]
     same = all(r["checksums_same_every_step"])
     lines = ["# NeMo-RL step replay: log-probs, reference log-probs, train", ""]
-    lines += [*bench.machine_lines(results["meta"]), ""]
+    workers = f"{WORLD} workers of {ACTOR_CPUS} CPU (dp {DP} {TIMES} tp {WORLD // DP})"
+    lines += setup_lines(results, workers, steps.STRATEGIES)
     lines += [
-        f"Ray: one local session, `ray.init(num_cpus=2, object_store_memory="
-        f"{c['store_bytes'] // MiB} MiB)`, {WORLD} workers of {ACTOR_CPUS} CPU "
-        f"(dp {DP} {bench.TIMES} tp {WORLD // DP}), store warmed before timing. "
-        f"{c['steps']} timed steps after {c['warmup']} untimed, the four strategies "
-        "interleaved (each leads in turn; plain runs twice, the second time as the control); "
-        "each turn gets its own copy of the step's batch, "
-        "new content every step.",
-        "",
         f"Batch: a `BatchedDataDict` of {c['batch']} sequences: {', '.join(INT_KEYS)} "
         f"[{c['batch']}, {c['seq_len']}] int64, advantages [{c['batch']}, {c['seq_len']}] "
         "float32, input_lengths and sample_mask; `prev_logprobs` added after `get_logprobs`, "
@@ -217,7 +200,7 @@ def report(results: dict[str, Any]) -> str:
         f"Mirror of NeMo-RL main (7ea279a), in this file; refshare on for its turns only, "
         f'as {r["patch"]} (what `refshare.enable("nemo_rl")` wraps).',
         "",
-        *bench.step_report(
+        *step_report(
             r["summary"], {"step": "**whole step**"}, r["goals"], "Goals (the RL-step ones)"
         ),
         f"- Checksums of every shard each worker received, every step: "
@@ -233,22 +216,13 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = bench.step_parser(__doc__ or "")
-    args = parser.parse_args(argv)
-    config = bench.step_config(args, MODES)
-    meta = bench.machine(
-        "nemo_step.py", ray_init={"num_cpus": 2, "object_store_memory": config.store_bytes}
-    )
-    started = time.perf_counter()
-    bench.start_ray(config.store_bytes)
-    try:
-        results = {"meta": meta, "config": asdict(config), "result": run(config)}
-    finally:
-        ray.shutdown()
-    meta["seconds"] = round(time.perf_counter() - started, 1)
-    meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    bench.write_results(args.out, "nemo_step", results, report(results))
-    print((args.out / "nemo_step.md").read_text())
+    args = options.step_parser(__doc__ or "").parse_args(argv)
+    config = options.step_config(args, MODES)
+
+    def measure() -> dict[str, Any]:
+        return {"result": run(config)}
+
+    results = steps.run_replay("nemo_step.py", config, measure, report, args.out, "nemo_step")
     return 0 if all(results["result"]["checksums_same_every_step"]) else 1
 
 

@@ -15,6 +15,7 @@ import cProfile
 import dataclasses
 import gc
 import importlib.util
+import logging
 import pickle
 import pstats
 import sys
@@ -23,11 +24,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import _harness as bench
 import numpy as np
 import ray
 import xxhash
-from _harness import TIMES, KiB, MiB
+from _harness import options, report, session, steps
+from _harness.report import TIMES, KiB, MiB, log
+from _harness.stats import median, rotated
 
 import refshare
 
@@ -125,6 +127,7 @@ def batch_classes() -> tuple[Any, str, Any, str]:
 
         dp, dp_is = DataProto, f"real verl {verl.__version__} DataProto"
     except ImportError:
+        steps.examples_importable()
         import _verl_mirror as mirror
 
         dp, dp_is = mirror.DataProto, f"mirror of {mirror.MIRRORS} (batch: {mirror.BATCH_TYPE})"
@@ -237,6 +240,47 @@ def raw_buffers(v: Any, out: list[Any]) -> list[Any]:
     return out
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+class _OwnPickling:
+    """A value whose pickling runs code of its own, which refshare keys by its pickle."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return _OwnPickling, ()
+
+
+def keyed_by(v: Any) -> str:
+    """How refshare keys ``v``: ``walk`` (without serializing it), ``pickle`` (by Ray's pickle
+    of it), ``by value`` (not at all), or ``?`` if this refshare does not say."""
+    if _keyed_by(_OwnPickling()) != "pickle":  # this refshare logs no such line
+        return "?"
+    return _keyed_by(v)
+
+
+def _keyed_by(v: Any) -> str:
+    # The public API tells only whether a value can be keyed; which way, refshare says in the
+    # debug line it logs when it keys a value by its pickle.
+    logger, records = logging.getLogger("refshare"), _Records()
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.DEBUG)
+    try:
+        key = refshare.fingerprint(v)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    if key is None:
+        return "by value"
+    return "pickle" if any("keyed by its pickle" in m for m in records.messages) else "walk"
+
+
 def sent_bytes(v: Any) -> int:
     """What Ray's own serialization of ``v`` weighs: what ``ray.put`` stores."""
     context = ray._private.worker.global_worker.get_serialization_context()
@@ -299,20 +343,18 @@ def measure(row: Row, reps: int) -> dict[str, Any]:
         "hit": lambda: count("hit"),
     }
     for rep in range(-1, reps):
-        for name in bench.rotated(MEASURES, max(rep, 0)):
+        for name in rotated(MEASURES, max(rep, 0)):
             seconds = run[name]()
             if rep >= 0:
                 times[name].append(seconds)
     counts = {what: found[1:] for what, found in counts.items()}  # the untimed repetition
-    med = {m: bench.median(times[m]) for m in MEASURES}
+    med = {m: median(times[m]) for m in MEASURES}
     ratios = {what: med[what] / med["put"] for what in ("miss", "hit")}
     limits = {"miss": max(1.15, 1 + 1.3 * med["xxh3"] / med["put"]), "hit": row.hit_limit}
     goals = {
         w: {"ratio": ratios[w], "limit": limits[w], "met": ratios[w] <= limits[w]} for w in limits
     }
-    found = refshare._fingerprint.identify(v)  # keyed by walking v, or by Ray's pickle of it
-    keyed = "by value" if found is None else ("pickle" if found[1] is not None else "walk")
-    result = {"name": row.name, "note": row.note, "keyed_by": keyed, "goals": goals}
+    result = {"name": row.name, "note": row.note, "keyed_by": keyed_by(v), "goals": goals}
     hashed = sum(memoryview(b).nbytes for b in buffers)
     result |= {"sent_bytes": sent_bytes(v), "hashed_bytes": hashed}
     return result | {"medians": med, "times": times, "stats": counts}
@@ -341,7 +383,7 @@ def table_row(r: dict[str, Any]) -> list[str]:
         d = 3 if f"{g['ratio']:.2f}" == f"{g['limit']:.2f}" else 2
         verdict = "yes" if g["met"] else "NO"
         goals.append(f"{verdict} ({g['ratio']:.{d}f}{TIMES} put, limit {g['limit']:.{d}f}{TIMES})")
-    cells = [r["name"], f"{r['sent_bytes'] / MiB:.1f}", *(bench.ms(m[k]) for k in MEASURES)]
+    cells = [r["name"], f"{r['sent_bytes'] / MiB:.1f}", *(report.ms(m[k]) for k in MEASURES)]
     cells[4] += f" ({r['hashed_bytes'] / MiB:.1f})"  # the MiB xxh3 hashed
     return [*cells, *goals, r["keyed_by"], puts, hits]
 
@@ -353,27 +395,27 @@ def markdown(results: dict[str, Any]) -> str:
         f"What refshare costs per kind of value: medians of {cfg['reps']} interleaved repetitions "
         f"on a warm object store, in milliseconds ({cfg['mode']} mode)."
     )
-    lines = ["# refshare type table", "", intro, "", *bench.machine_lines(results["meta"]), ""]
-    lines += [*bench.table(HEADER, [table_row(r) for r in done]), "", LEGEND, ""]
+    lines = ["# refshare type table", "", intro, "", *report.machine_lines(results["meta"]), ""]
+    lines += [*report.table(HEADER, [table_row(r) for r in done]), "", LEGEND, ""]
     return "\n".join([*lines, *(n for n in notes if not n.endswith(": ")), ""])
 
 
 def main() -> None:
-    parser = bench.parser(
+    parser = options.parser(
         __doc__ or "", {"quick": "smaller values", "smoke": "tiny values, 2 repetitions"}
     )
     parser.add_argument("--reps", type=int, help="repetitions (default: 15, --quick 9)")
     parser.add_argument("--profile", metavar="ROW", help="cProfile rows whose name has ROW")
     args = parser.parse_args()
-    cfg = MODES[bench.mode(args)]
+    cfg = MODES[options.mode(args)]
     cfg = dataclasses.replace(cfg, reps=args.reps or cfg.reps)
     start = time.perf_counter()
-    bench.start_ray(cfg.store_bytes)
-    warm = bench.warm_store([], cfg.store_bytes)
+    session.start_ray(cfg.store_bytes)
+    warm = session.warm_store([], cfg.store_bytes)
     timeout = 5 if args.smoke else 30
     waited = settle(timeout)
     busy = " and they are still busy: expect noise" if waited >= timeout else ""
-    bench.log(f"warmed the object store in {warm:.1f} s, waited {waited:.1f} s for idle CPUs{busy}")
+    log(f"warmed the object store in {warm:.1f} s, waited {waited:.1f} s for idle CPUs{busy}")
     results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "rows": []}
     for build in rows(cfg):
         row = build()
@@ -381,18 +423,18 @@ def main() -> None:
             if args.profile.lower() in row.name.lower() and row.value is not None:
                 profile(row, cfg.reps)
             continue
-        bench.log(f"{row.name}: {cfg.reps} repetitions")
+        log(f"{row.name}: {cfg.reps} repetitions")
         skipped = {"name": row.name, "skipped": row.note} if row.value is None else None
         results["rows"].append(skipped or measure(row, cfg.reps))
         del row
         gc.collect()
     if args.profile:
         return
-    results["meta"] = bench.machine(
+    results["meta"] = report.machine(
         "types.py", seconds=round(time.perf_counter() - start), idle_wait_s=round(waited, 1)
     )
     text = markdown(results)
-    bench.write_results(args.out, "types", results, text)
+    report.write_results(args.out, "types", results, text)
     print(text)
     ray.shutdown()
 

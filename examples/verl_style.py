@@ -1,30 +1,39 @@
 """verl 0.9.1's dispatch, mirrored: one batch for actor, reference and critic, with refshare.
 
-As in verl 0.9.1 (and main at 1dda039), a group method is a ``Functor`` from
-``func_generator``: dispatch, then ``execute_all`` -> ``execute_all_async``, which gives the
-i-th item of list arguments to the i-th worker. ONE_TO_ALL sends ``[arg] * world_size`` by
-value; the nd-compute dispatch chunks the ``DataProto`` per DP rank and ``parallel_put``s the
-chunks from a thread pool, so TP ranks share a ref, but each group's call puts the same chunks
-again. refshare wraps the two names ``refshare.enable("verl")`` wraps; where verl imports, the
-same steps run again on verl's own code.
+The mirror of verl 0.9.1 is ``_verl_mirror.py`` beside this file (the benchmarks use it too).
+A group method is a ``Functor`` from ``func_generator``: dispatch, then ``execute_all`` ->
+``execute_all_async``, which gives the i-th item of list arguments to the i-th worker.
+ONE_TO_ALL sends ``[arg] * world_size`` by value; the nd-compute dispatch chunks the batch
+per DP rank and ``parallel_put``s the chunks from a thread pool, so TP ranks share a ref, but
+each group's call puts the same chunks again. refshare wraps the two names
+``refshare.enable("verl")`` wraps.
+
+Two flows, on dp 2 x tp 2:
+
+1. a weight broadcast, then one ``DataProto`` sent to actor, reference and critic;
+2. (where tensordict is installed) the legacy trainer's step (``trainer.use_v1=False``): five
+   calls, each sending a TensorDict converted afresh from the growing ``DataProto``
+   (``to_tensordict``, ``left_right_2_no_padding``, the call's flags), chunked by the dispatch
+   into one consolidated TensorDict per DP rank.
+
+Where verl imports, the same steps run again on verl's own code, and every worker must
+receive the same. Needs torch, as verl does.
 
 Run: python examples/verl_style.py
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
 import sys
-import zlib
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
+import _verl_mirror as mirror
 import ray
+import torch
 
 import refshare
 
@@ -32,160 +41,50 @@ TALLY: Counter[str] = Counter()  # the example's counters, for the "without refs
 # dp=2 x tp=2: workers 0, 1 get chunk 0, workers 2, 3 chunk 1. (verl asks the workers for this
 # mapping on a mesh's first use, with a nested fan-out: _query_dispatch_info.)
 DP, MAPPING = 2, [0, 0, 1, 1]
-
-# -- verl 0.9.1, mirrored (protocol.py, utils/ray_utils.py, single_controller/) -------------
-
-
-@dataclass
-class DataProto:
-    batch: Any = None  # a TensorDict in verl; a dict of numpy arrays here
-    non_tensor_batch: dict = field(default_factory=dict)
-    meta_info: dict = field(default_factory=dict)
-
-    def chunk(self, chunks):
-        parts = {key: np.array_split(val, chunks) for key, val in self.batch.items()}
-        return [
-            type(self)({k: p[i] for k, p in parts.items()}, {}, self.meta_info)
-            for i in range(chunks)
-        ]
-
-
-def parallel_put(data_list, max_workers=None):
-    assert len(data_list) > 0, "data_list must not be empty"
-    TALLY["ray.put"] += len(data_list)  # the example's counter: one put per item, below
-
-    def put_data(index, data):
-        return index, ray.put(data)
-
-    if max_workers is None:
-        max_workers = min(len(data_list), 16)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as executor:
-        data_list_f = [executor.submit(put_data, i, data) for i, data in enumerate(data_list)]
-        res_lst = []
-        for future in concurrent.futures.as_completed(data_list_f):
-            res_lst.append(future.result())
-        output = [None for _ in range(len(data_list))]
-        for index, data_ref in res_lst:
-            output[index] = data_ref
-    return output
-
-
-def dispatch_one_to_all(worker_group, *args, **kwargs):
-    args = tuple([arg] * worker_group.world_size for arg in args)
-    kwargs = {k: [v] * worker_group.world_size for k, v in kwargs.items()}
-    return args, kwargs
-
-
-def collect_all_to_all(worker_group, output):
-    return output
-
-
-def dispatch_nd_compute_dataproto(dp_rank_mapping, dp_size, worker_group, *args, **kwargs):
-    args = [arg.chunk(chunks=dp_size) for arg in args]  # _split_args_kwargs_data_proto
-    kwargs = {k: v.chunk(chunks=dp_size) for k, v in kwargs.items()}
-    # dispatch_nd_compute:
-    max_workers = max(1, min(len(args[0]), os.cpu_count()))
-    args = [parallel_put(arg, max_workers=max_workers) for arg in args]
-    kwargs = {k: parallel_put(v, max_workers=max_workers) for k, v in kwargs.items()}
-    ranks = range(worker_group.world_size)
-    all_args = tuple([arg[dp_rank_mapping[i]] for i in ranks] for arg in args)
-    return all_args, {k: [v[dp_rank_mapping[i]] for i in ranks] for k, v in kwargs.items()}
-
-
-def func_generator(self, method_name, dispatch_fn, collect_fn, execute_fn, blocking):
-    class Functor:
-        def __call__(this, *args, **kwargs):
-            args, kwargs = dispatch_fn(self, *args, **kwargs)
-            output = execute_fn(method_name, *args, **kwargs)
-            if blocking:
-                output = ray.get(output)
-            return collect_fn(self, output)  # (verl also drops auto-padding rows here)
-
-    return type(method_name, (Functor,), {})()
-
-
-class RayWorkerGroup:
-    """The fan-out part of verl's RayWorkerGroup (no resource pools, no fused workers)."""
-
-    world_size = property(lambda self: self._world_size)
-
-    def _execute_remote_single_worker(self, worker, method_name: str, *args, **kwargs):
-        big = [a for a in (*args, *kwargs.values()) if refshare.estimate_size(a) > 100 << 10]
-        TALLY["by value"] += len(big)  # the example's counter: Ray stores each one per task
-        remote_call = getattr(worker, method_name)
-        return remote_call.remote(*args, **kwargs)
-
-    def execute_all(self, method_name: str, *args, **kwargs):
-        return self.execute_all_async(method_name, *args, **kwargs)
-
-    def execute_all_async(self, method_name: str, *args, **kwargs):
-        length = len(self._workers)
-        if all(isinstance(arg, list) for arg in args) and all(  # noqa: SIM102 (as in verl)
-            isinstance(kwarg, list) for kwarg in kwargs.values()
-        ):
-            if all(len(arg) == length for arg in args) and all(
-                len(kwarg) == length for kwarg in kwargs.values()
-            ):
-                result = []
-                for i in range(length):
-                    sliced_args = tuple(arg[i] for arg in args)
-                    sliced_kwargs = {k: v[i] for k, v in kwargs.items()}
-                    result.append(
-                        self._execute_remote_single_worker(
-                            self._workers[i], method_name, *sliced_args, **sliced_kwargs
-                        )
-                    )
-                return result
-
-        return [
-            self._execute_remote_single_worker(worker, method_name, *args, **kwargs)
-            for worker in self._workers
-        ]
-
-
-# -- the example ------------------------------------------------------------------------------
-
-
-def real_verl() -> Any:
-    """verl's functions and classes of the names above, or None where verl does not import."""
-    try:
-        import torch
-        from verl.protocol import DataProto as VerlDataProto
-        from verl.single_controller.base import decorator
-        from verl.single_controller.ray import base
-    except ImportError:
-        return None
-
-    def make_batch(arrays: dict[str, np.ndarray]) -> Any:
-        tensors = {key: torch.from_numpy(array) for key, array in arrays.items()}
-        return VerlDataProto.from_dict(tensors, meta_info={"temperature": 1.0})
-
-    return SimpleNamespace(**{**vars(decorator), **vars(base), "make_batch": make_batch})
-
-
-def make_batch(arrays: dict[str, np.ndarray]) -> DataProto:
-    return DataProto(arrays, {}, {"temperature": 1.0})
-
-
-def checksum(arrays: Any) -> int:
-    crc = 0
-    for key in sorted(arrays.keys()):
-        crc = zlib.crc32(np.ascontiguousarray(np.asarray(arrays[key])).tobytes(), crc)
-    return crc
+#: The groups of each flow and their methods; one process holds them all, as verl's
+#: colocated workers do.
+GROUPS = {
+    "dataproto": {"actor": ("load_weights", "compute_log_prob"),
+                  "reference": ("compute_ref_log_prob",), "critic": ("compute_values",)},
+    "tensordict": {"actor": ("compute_log_prob", "update_actor"),
+                   "reference": ("compute_ref_log_prob",),
+                   "critic": ("infer_batch", "train_mini_batch")},
+}  # fmt: skip
 
 
 @ray.remote(num_cpus=0.1)
 class Worker:
-    """One process holding actor, critic and reference, as verl's colocated workers do."""
+    """Says what it received: a checksum of the weights, the DataProto or the TensorDict."""
 
-    def load_weights(self, weights: dict[str, np.ndarray]) -> int:
-        return checksum(weights)
+    def load_weights(self, weights: torch.Tensor) -> int:
+        return mirror.checksum(weights)
 
     def compute_log_prob(self, data: Any) -> int:
-        return checksum(data.batch)
+        return mirror.checksum(data)
 
     compute_ref_log_prob = compute_values = compute_log_prob
+    infer_batch = train_mini_batch = update_actor = compute_log_prob
+
+
+def real_verl() -> Any:
+    """verl's functions and classes of the mirror's names, or None where verl does not import."""
+    try:
+        from verl.protocol import DataProto
+        from verl.single_controller.base import decorator
+        from verl.single_controller.ray import base
+    except ImportError:
+        return None
+    names = {**vars(decorator), **vars(base), "DataProto": DataProto}
+    try:
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import left_right_2_no_padding
+    except ImportError:  # no tensordict: the first flow only
+        return SimpleNamespace(**names)
+
+    def convert(batch: Any, flags: dict[str, Any]) -> Any:
+        return tu.assign_non_tensor(left_right_2_no_padding(batch.to_tensordict()), **flags)
+
+    return SimpleNamespace(**names, convert=convert)
 
 
 def make_group(v: Any, workers: list[Any], *methods: str) -> Any:
@@ -195,9 +94,8 @@ def make_group(v: Any, workers: list[Any], *methods: str) -> Any:
     for name in methods:
         nd = partial(v.dispatch_nd_compute_dataproto, MAPPING, DP)
         dispatch = v.dispatch_one_to_all if name == "load_weights" else nd
-        func = v.func_generator(
-            group, name, dispatch, v.collect_all_to_all, group.execute_all, True
-        )
+        collect = v.collect_all_to_all  # each worker's checksum
+        func = v.func_generator(group, name, dispatch, collect, group.execute_all, True)
         setattr(group, name, func)
     return group
 
@@ -206,62 +104,157 @@ def snapshot() -> Counter[str]:
     return Counter({**TALLY, **refshare.stats()._asdict()})
 
 
-def run_steps(v: Any, workers: list[Any], steps: list[Any]) -> tuple[list[Any], list[Any]]:
+def run_steps(
+    v: Any, workers: list[Any], flow: str, steps: list[Any], step: Callable[..., list[Any]]
+) -> tuple[list[Any], list[Any]]:
     """Per step, what was counted and what the workers received (checksums)."""
-    actor = make_group(v, workers, "load_weights", "compute_log_prob")
-    reference = make_group(v, workers, "compute_ref_log_prob")
-    critic = make_group(v, workers, "compute_values")
+    groups = {name: make_group(v, workers, *methods) for name, methods in GROUPS[flow].items()}
     counts, sums = [], []
-    for weights, arrays in steps:
+    for data in steps:
         before = snapshot()
-        batch = v.make_batch(arrays)  # a new DataProto each step, as the trainer makes
-        sums.append([actor.load_weights(weights), actor.compute_log_prob(batch)])
-        sums[-1] += [reference.compute_ref_log_prob(batch), critic.compute_values(batch)]
+        sums.append(step(v, SimpleNamespace(**groups), *data))
         counts.append(snapshot() - before)
     return counts, sums
+
+
+def dataproto_step(v: Any, g: Any, weights: torch.Tensor, tensors: dict[str, Any]) -> list[Any]:
+    """Weights one-to-all, then one new DataProto (as the trainer makes) to the three groups."""
+    batch = v.DataProto.from_dict(tensors, meta_info={"temperature": 1.0})
+    sums = [g.actor.load_weights(weights), g.actor.compute_log_prob(batch)]
+    return [*sums, g.reference.compute_ref_log_prob(batch), g.critic.compute_values(batch)]
+
+
+def legacy_step(v: Any, g: Any, start: dict[str, Any], later: dict[str, Any]) -> list[Any]:
+    """The legacy trainer's five data calls, each on a fresh conversion of the batch, which
+    gains a key after each of the first three calls and four before the critic's update."""
+    batch = v.DataProto.from_dict(*(dict(part) for part in start))  # update_actor changes it
+    sums = []
+    for name, _, flags in mirror.legacy_calls(len(batch)):
+        if name == "update_actor":
+            batch.meta_info.update(mirror.UPDATE_ACTOR_META)
+        group = next(k for k, methods in GROUPS["tensordict"].items() if name in methods)
+        sums.append(getattr(getattr(g, group), name)(v.convert(batch, flags)))
+        if name in later:
+            batch = batch.union(v.DataProto.from_dict(later[name]))
+    return sums
+
+
+def legacy_batch(seed: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A batch as the legacy trainer's first data call gets it, and the keys each call adds
+    after it."""
+    start = mirror.rollout(64, 256, 256, seed)
+    g, mask = torch.Generator().manual_seed(seed), start[0]["response_mask"]
+
+    def floats() -> torch.Tensor:
+        return torch.randn(mask.shape, generator=g) * mask
+
+    scores = floats()
+    later = {"compute_log_prob": {"old_log_probs": floats()},
+             "compute_ref_log_prob": {"ref_log_prob": floats()},
+             "infer_batch": {"values": floats(), "token_level_scores": scores,
+                             "token_level_rewards": scores, "advantages": floats(),
+                             "returns": floats()}}  # fmt: skip
+    return start, later
+
+
+def counted_mirror() -> Callable[[], None]:
+    """Count, in the mirror, what verl stores without refshare: each ``parallel_put`` item,
+    and each large argument sent by value (Ray stores one per task). Returns the undo."""
+    group, put = mirror.RayWorkerGroup, mirror.parallel_put
+    single = group.__dict__["_execute_remote_single_worker"]
+
+    def parallel_put(data_list: list[Any], max_workers: int | None = None) -> list[Any]:
+        TALLY["ray.put"] += len(data_list)
+        return put(data_list, max_workers)
+
+    def execute_single(self: Any, worker: Any, method_name: str, *args: Any, **kw: Any) -> Any:
+        big = [a for a in (*args, *kw.values()) if refshare.estimate_size(a) > 100 << 10]
+        TALLY["by value"] += len(big)
+        return single(self, worker, method_name, *args, **kw)
+
+    mirror.parallel_put, group._execute_remote_single_worker = parallel_put, execute_single
+
+    def undo() -> None:
+        mirror.parallel_put, group._execute_remote_single_worker = put, single
+
+    return undo
+
+
+def show(title: str, labels: list[str], plain: list[Any], shared: list[Any]) -> None:
+    print(title)
+    print("step         stored without refshare       stored with refshare   hits")
+    for label, old, new in zip(labels, plain, shared, strict=True):
+        without = f"{old['ray.put'] + old['by value']} ({old['ray.put']} ray.put + "
+        without += f"{old['by value']} by value)"
+        print(f"{label:<12} {without:<29} {new['puts']:>20} {new['hits']:>6}")
+
+
+def show_real(title: str, labels: list[str], real: list[Any]) -> None:
+    print(title)
+    print("step         verl's ray.put calls          stored with refshare   hits")
+    for label, row in zip(labels, real, strict=True):
+        print(f"{label:<12} {row['put_calls']:<29} {row['puts']:>20} {row['hits']:>6}")
 
 
 def main() -> None:
     ray.init(address="local", num_cpus=2, object_store_memory=256 << 20, include_dashboard=False)
     try:
-        rng = np.random.default_rng(0)
-        workers = [Worker.remote() for _ in MAPPING]
-        weights = [{"lm_head": rng.random(1 << 20, dtype=np.float32)} for _ in range(2)]  # 4 MiB
-        batches = [{"input_ids": rng.integers(0, 32_000, (512, 2048))} for _ in range(2)]  # 8 MiB
-        labels = ["1 new data", "2 same", "3 same", "4 new data"]
-        steps = [(weights[i], batches[i]) for i in (0, 0, 0, 1)]
+        g = torch.Generator().manual_seed(0)
+        workers = [Worker.remote() for _ in MAPPING]  # type: ignore[attr-defined]
+        weights = [torch.rand(1 << 20, generator=g) for _ in range(2)]  # 4 MiB
+        batches = [{"input_ids": torch.randint(0, 32_000, (512, 2048), generator=g)}
+                   for _ in range(2)]  # 8 MiB  # fmt: skip
+        flows = {
+            "dataproto": (["1 new data", "2 same", "3 same", "4 new data"],
+                          [(weights[i], batches[i]) for i in (0, 0, 0, 1)], dataproto_step),
+        }  # fmt: skip
+        if mirror.HAS_TENSORDICT:
+            legacy = [legacy_batch(seed) for seed in (0, 0, 1)]
+            flows["tensordict"] = (["1 new data", "2 same", "3 new data"], legacy, legacy_step)
 
-        mirror = sys.modules[__name__]
-        plain, plain_sums = run_steps(mirror, workers, steps)
-        refshare.patch_methods(RayWorkerGroup, "execute_all_async")  # as enable("verl") does
-        refshare.patch_methods(mirror, "parallel_put")
-        shared, shared_sums = run_steps(mirror, workers, steps)
-        assert shared_sums == plain_sums, "workers received different data"
-        chunks = [checksum(chunk.batch) for chunk in make_batch(batches[0]).chunk(DP)]
-        assert plain_sums[0][1:] == [[chunks[dp] for dp in MAPPING]] * 3, plain_sums[0]
+        undo, runs = counted_mirror(), {}
+        for flow, (_, steps, step) in flows.items():
+            plain, plain_sums = run_steps(mirror, workers, flow, steps, step)
+            refshare.patch_methods(mirror.RayWorkerGroup, "execute_all_async")  # as enable("verl")
+            refshare.patch_methods(mirror, "parallel_put")
+            shared, shared_sums = run_steps(mirror, workers, flow, steps, step)
+            refshare.unpatch_methods(mirror.RayWorkerGroup, "execute_all_async")
+            refshare.unpatch_methods(mirror, "parallel_put")
+            assert shared_sums == plain_sums, f"{flow}: workers received different data"
+            runs[flow] = plain, shared, plain_sums
+            refshare.clear()
+        undo()
 
-        print("verl 0.9.1 mirror, per step: weights to 4 workers, one batch to 3 groups")
-        print("step         stored without refshare       stored with refshare   hits")
-        for label, old, new in zip(labels, plain, shared, strict=True):
-            without = f"{old['ray.put'] + old['by value']} ({old['ray.put']} ray.put + "
-            without += f"{old['by value']} by value)"
-            print(f"{label:<12} {without:<29} {new['puts']:>20} {new['hits']:>6}")
+        labels = flows["dataproto"][0]
+        title = "verl 0.9.1 mirror, per step: weights to 4 workers, one batch to 3 groups"
+        show(title, labels, *runs["dataproto"][:2])
+        first = mirror.DataProto.from_dict(batches[0], meta_info={"temperature": 1.0})
+        chunks = [mirror.checksum(chunk) for chunk in first.chunk(DP)]
+        assert runs["dataproto"][2][0][1:] == [[chunks[dp] for dp in MAPPING]] * 3
         # Each distinct value is stored once (weights + 2 chunks), and none on a repeated step.
-        assert [row["puts"] for row in shared] == [1 + DP, 0, 0, 1 + DP], shared
+        assert [row["puts"] for row in runs["dataproto"][1]] == [1 + DP, 0, 0, 1 + DP]
+        if "tensordict" in runs:
+            title = "\nthe legacy trainer's step, mirrored: 5 calls, each a fresh TensorDict"
+            show(title, flows["tensordict"][0], *runs["tensordict"][:2])
+            # No two calls send equal chunks; a step sent again stores nothing.
+            assert [row["puts"] for row in runs["tensordict"][1]] == [5 * DP, 0, 5 * DP]
+        else:
+            print("\n(the legacy trainer's step needs tensordict: pip install tensordict)")
 
         verl = real_verl()
         if verl is not None:
-            refshare.clear()  # start the real run from an empty cache
             wrapped = refshare.enable("verl")
             print(f"\nverl {sys.modules['verl'].__version__} itself, enable() wrapped {wrapped}")
-            real, real_sums = run_steps(verl, workers, steps)
-            assert real_sums == plain_sums, "workers received different data from verl"
-            print("step         verl's ray.put calls          stored with refshare   hits")
-            for label, row in zip(labels, real, strict=True):
-                print(f"{label:<12} {row['put_calls']:<29} {row['puts']:>20} {row['hits']:>6}")
-            assert [(r["puts"], r["hits"]) for r in real] == [
-                (r["puts"], r["hits"]) for r in shared
-            ]
+            for flow, (names, steps, step) in flows.items():
+                if flow == "tensordict" and not hasattr(verl, "convert"):
+                    continue
+                real, real_sums = run_steps(verl, workers, flow, steps, step)
+                _, shared, plain_sums = runs[flow]
+                assert real_sums == plain_sums, f"{flow}: workers received other data from verl"
+                show_real(f"{flow}:", names, real)
+                same = [(r["puts"], r["hits"]) for r in shared]
+                assert [(r["puts"], r["hits"]) for r in real] == same, flow
+                refshare.clear()
 
         print(refshare.stats())
     finally:
