@@ -175,7 +175,7 @@ def test_patch_methods_checks_before_changing_anything() -> None:
 def test_enable_rejects_unknown_names_and_warns_for_missing_frameworks(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with pytest.raises(ValueError, match="'verl', 'nemo_rl', 'openrlhf', 'skyrl'"):
+    with pytest.raises(ValueError, match="'verl', 'nemo_rl', 'openrlhf', 'skyrl', 'roll'"):
         refshare.enable("torchrl")
     with pytest.raises(ValueError, match="min_bytes"):
         refshare.enable("verl", min_bytes=-1)

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from .._options import Options
-from . import nemo_rl, openrlhf, skyrl, verl
+from . import nemo_rl, openrlhf, roll, skyrl, verl
 from . import tensordict as tensordict  # registers TensorDict's fingerprint
 from .framework import Framework
 from .methods import patch_methods, unpatch_methods
@@ -26,7 +26,7 @@ ENABLE_ENV = "REFSHARE_ENABLE"
 
 #: What ``enable`` knows, by name.
 FRAMEWORKS: dict[str, Framework] = {
-    module.FRAMEWORK.name: module.FRAMEWORK for module in (verl, nemo_rl, openrlhf, skyrl)
+    module.FRAMEWORK.name: module.FRAMEWORK for module in (verl, nemo_rl, openrlhf, skyrl, roll)
 }
 #: framework name -> the (owner, method) pairs enable() wrapped.
 _enabled: dict[str, list[tuple[Any, str]]] = {}
@@ -65,7 +65,7 @@ def _resolve(framework: Framework) -> list[tuple[Any, tuple[str, ...]]] | str:
 def enable(*frameworks: str, **options: Any) -> list[str]:
     """Turn refshare on for the worker groups of ``frameworks``, as installed.
 
-    Names: ``"verl"``, ``"nemo_rl"``, ``"openrlhf"``, ``"skyrl"``. Each one's fan-out
+    Names: ``"verl"``, ``"nemo_rl"``, ``"openrlhf"``, ``"skyrl"``, ``"roll"``. Each one's fan-out
     methods are wrapped with ``shared_args(**options)``, so the framework's own
     ``ray.put`` calls and ``.remote()`` arguments are stored once by content, across
     groups and calls. Idempotent; undone by :func:`disable`. A framework that is not
