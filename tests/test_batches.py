@@ -243,3 +243,29 @@ def test_a_grown_dataproto_deep_shares_only_its_new_key(readers: list[Any]) -> N
     stats = refshare.stats()
     assert stats.puts == N and stats.bytes_put == extra.batch["old_log_probs"].nbytes
     assert stats.hits == 3 * N  # every unchanged member, found again by content
+
+
+@ray.remote(num_cpus=0.1)
+def dataproto_as_received(data: Any) -> Any:
+    """Everything a worker's code can see of a DataProto's batch: how it is held (one
+    consolidated storage, locked or not) and each tensor's layout, storage and bytes."""
+    batch = data.batch
+    tensors = [
+        (key, str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(),
+         t.untyped_storage().nbytes(), t.is_contiguous(), float(t.double().sum()))
+        for key, t in batch.items()
+    ]  # fmt: skip
+    held = (batch.is_consolidated(), batch.is_locked, tuple(batch.batch_size), str(batch.device))
+    return type(data).__name__, held, tensors, describe(data.non_tensor_batch), data.meta_info
+
+
+def test_a_deep_shared_dataproto_arrives_as_by_value() -> None:
+    data = dataproto_batch(rows=256)
+
+    def send(chunks: list[Any]) -> list[Any]:
+        return ray.get([dataproto_as_received.remote(c) for c in chunks])
+
+    by_value = send(data.chunk(N))
+    assert by_value[0][1][0]  # by value, the batch arrives consolidated
+    assert refshare.shared_args(deep=True)(send)(data.chunk(N)) == by_value
+    assert refshare.stats().puts >= 2 * N  # the tensors went as members

@@ -177,3 +177,26 @@ def test_the_same_chunks_sent_by_two_groups_are_put_once(mirror: Any) -> None:
     assert first == second
     stats = refshare.stats()
     assert (stats.puts, stats.hits) == (2, 2), stats
+
+
+def test_deep_sharing_stores_each_leaf_of_a_chunk_once_per_step(mirror: Any) -> None:
+    """The next call of a step sends the same rows with one key more: deep sharing stores
+    only that key's bytes, each consolidated chunk's leaves being members of their own (here
+    of at least 1 KiB, for a batch small enough for the suite)."""
+    tensors, non_tensors, meta = mirror.rollout(4 * ROWS, PROMPT, RESPONSE, seed=0)
+    batch = mirror.DataProto.from_dict(tensors, non_tensors, meta)
+
+    @refshare.shared_args(deep=True, min_bytes=1024)
+    def group_call(chunks: list[Any]) -> list[Any]:
+        return ray.get([received.remote(ray.put(c)) for c in chunks])
+
+    first = mirror.chunk_batch(mirror.convert(batch, {"compute_loss": False}), 2)
+    by_value = ray.get([received.remote(c) for c in first])
+    assert group_call(first) == by_value
+    stored = refshare.stats().bytes_put
+    extra = torch.randn(4 * ROWS, RESPONSE)
+    batch.batch["old_log_probs"] = extra
+    second = mirror.chunk_batch(mirror.convert(batch, {"compute_loss": False}), 2)
+    assert group_call(second) == ray.get([received.remote(c) for c in second])
+    added = refshare.stats().bytes_put - stored
+    assert extra.nbytes <= added < extra.nbytes + (stored // 4)  # the new key, and little else

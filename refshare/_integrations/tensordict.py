@@ -8,10 +8,14 @@ metadata and one uint8 storage, any other as its attributes. ``NonTensorData`` a
 
 from __future__ import annotations
 
+import copyreg
 from typing import Any
 
+from .._deep import deep_reducers
 from .._keys.sizes import estimate_size, sizes, tensor_nbytes
 from .._keys.tables import builtin_fingerprints
+from .._wire import bootstrap
+from .._wire.tensors import element_bytes
 
 
 def _consolidated(td: Any) -> dict[str, Any] | None:
@@ -39,6 +43,36 @@ def tensordict_size(td: Any) -> int:
     if consolidated is None:
         return -1
     return tensor_nbytes(consolidated["storage"]) + estimate_size(consolidated["metadata"])
+
+
+def _leaf_ranges(metadata: dict[str, Any]) -> list[tuple[int, int]]:
+    """Where each leaf lies in a consolidated storage, its nested TensorDicts' included."""
+    ranges = [(leaf[2], leaf[3]) for leaf in metadata.get("leaves", {}).values()]
+    for value in metadata.values():
+        if isinstance(value, dict) and "leaves" in value:
+            ranges += _leaf_ranges(value)
+    return sorted(ranges)
+
+
+@deep_reducers.registers_lazy("tensordict._td", "TensorDict")
+def consolidated_members(td: Any) -> Any:
+    """A consolidated ``TensorDict`` reduced so that deep sharing sees each leaf: its storage
+    cut at the leaves' bounds, each leaf's bytes a member of its own and the padding between
+    them inline, so that a leaf one chunk shares with another (the same rows, sent to the
+    next worker group) is stored once. Any other ``TensorDict`` is pickled as usual."""
+    if _consolidated(td) is None:
+        return NotImplemented
+    reduced: Any = copyreg.dispatch_table[type(td)](td)
+    rebuild, (metadata, storage) = reduced
+    flat = element_bytes(storage)
+    pieces, at = [], 0
+    for start, stop in _leaf_ranges(metadata):
+        if start < at:
+            return NotImplemented  # leaves that overlap: sent whole
+        pieces += [flat[at:start].tobytes(), flat[start:stop]]
+        at = stop
+    pieces.append(flat[at:].tobytes())
+    return bootstrap.rebuild_consolidated, (rebuild, metadata, pieces, flat.size)
 
 
 @builtin_fingerprints.registers_lazy("tensordict.tensorclass", "NonTensorData")

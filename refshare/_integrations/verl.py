@@ -8,7 +8,9 @@ batches through TransferQueue instead, where the driver holds no batch to share.
 
 from __future__ import annotations
 
+import itertools
 import os
+import sys
 from typing import Any
 
 from .._deep import deep_reducers
@@ -65,14 +67,30 @@ def dataproto_size(data: Any) -> int:
     return total + estimate_size(data.non_tensor_batch) + estimate_size(data.meta_info)
 
 
+def _consolidates() -> bool:
+    """Whether a ``DataProto``'s pickling consolidates its batch: with tensordict 0.5 or
+    newer, as ``protocol.py`` checks it."""
+    version = getattr(sys.modules.get("tensordict"), "__version__", "0")
+    numbers = []
+    for part in version.split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        numbers.append(int(digits or 0))
+    return tuple(numbers) >= (0, 5)
+
+
 @deep_reducers.registers_lazy("verl.protocol", "DataProto")
 def dataproto_members(data: Any) -> Any:
     """A ``DataProto`` reduced so that deep sharing sees its tensors: each is sent with its
-    own elements, as the ``DataProto``'s pickling would send it."""
+    own elements, and the worker's batch is consolidated where the ``DataProto``'s own
+    pickling would have consolidated it, so it receives what it receives by value."""
     batch = data.batch
+    if os.getenv("VERL_DATAPROTO_SERIALIZATION_METHOD") == "numpy":
+        return NotImplemented  # verl's own numpy layout: sent whole
     if batch is None or any(isinstance(key, tuple) for key, _ in _tensor_items(batch)):
         return NotImplemented  # nested keys: sent whole
     names = getattr(batch, "names", None) if batch.batch_dims else None
     tensors = {key: TensorElements(tensor) for key, tensor in _tensor_items(batch)}
     parts = (tensors, tuple(batch.batch_size), batch.device, names)
-    return bootstrap.rebuild_dataproto, (type(data), parts, data.non_tensor_batch, data.meta_info)
+    consolidate = _consolidates() and len(batch.keys()) > 0
+    state = (type(data), parts, data.non_tensor_batch, data.meta_info, consolidate)
+    return bootstrap.rebuild_dataproto, state

@@ -91,10 +91,46 @@ def rebuild_skeleton(
     return _around(native, _SkeletonUnpickler(inband, members, handles, buffers).load())
 
 
-def rebuild_dataproto(cls: type, parts: Any, non_tensor_batch: Any, meta_info: Any) -> Any:
-    """A verl ``DataProto`` from its tensors, as its own unpickling gives it."""
+def _as_unpickled(td: Any) -> Any:
+    """A ``TensorDict`` as unpickling it gives it: consolidated, one goes through its own
+    reduction (metadata and storage) and comes back rebuilt from them."""
+    import copyreg
+
+    reduced: Any = copyreg.dispatch_table[type(td)](td)
+    rebuild, args = reduced
+    return rebuild(*args)
+
+
+def rebuild_dataproto(
+    cls: Any, parts: Any, non_tensor_batch: Any, meta_info: Any, consolidate: bool
+) -> Any:
+    """A verl ``DataProto`` from its tensors, as its own unpickling gives it: its
+    ``__setstate__`` sets three attributes, its batch loaded as ``torch.save`` kept it
+    (consolidated, where tensordict consolidates)."""
     from tensordict import TensorDict
 
     tensors, batch_size, device, names = parts
     batch = TensorDict(tensors, batch_size=batch_size, device=device, names=names)
-    return cls(batch=batch, non_tensor_batch=non_tensor_batch, meta_info=meta_info)
+    if consolidate:
+        batch = _as_unpickled(batch.contiguous().consolidate())
+    data = cls.__new__(cls)
+    data.batch, data.non_tensor_batch, data.meta_info = batch, non_tensor_batch, meta_info
+    return data
+
+
+def rebuild_consolidated(rebuild: Any, metadata: Any, pieces: list[Any], nbytes: int) -> Any:
+    """A consolidated ``TensorDict`` from its storage's pieces (each leaf's bytes, and the
+    padding between them), as its own unpickling rebuilds it from metadata and storage."""
+    import ctypes
+
+    import numpy as np
+    import torch
+
+    storage = torch.empty(nbytes, dtype=torch.uint8)
+    at = storage.data_ptr()
+    for piece in pieces:
+        source = np.frombuffer(piece, dtype=np.uint8)
+        if source.size:
+            ctypes.memmove(at, source.ctypes.data, source.size)
+        at += source.size
+    return rebuild(metadata, storage)
