@@ -8,9 +8,12 @@ the worker rebuilds the tensor with :func:`refshare._wire.bootstrap.rebuild_tens
 gets what torch's unpickling gives it: a tensor on a writable storage of its own, of the
 same layout.
 
-This applies only where Ray would use torch's pickling: a plain CPU tensor, put on its own
-or inside a value refshare pickles itself, when no serializer for ``torch.Tensor`` is
-registered with Ray (``ray.util.register_serializer``, ``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``).
+This applies to a plain CPU tensor, put on its own or inside a value refshare pickles
+itself, where Ray would use torch's pickling or its own zero-copy reducer
+(``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``, which OpenRLHF turns on): that reducer hands each
+task a writable view of its own object, and refshare shares one object between tasks, so
+it stores tensors as their bytes and each worker gets memory of its own. A serializer the
+program registered for ``torch.Tensor`` (``ray.util.register_serializer``) is left to it.
 """
 
 from __future__ import annotations
@@ -73,23 +76,35 @@ def pickled_as_storage(t: Any, with_state: bool = False) -> bool:
     )
 
 
-def _ray_pickles_tensors_itself() -> bool:
-    """Whether a serializer registered with Ray replaces torch's pickling of tensors."""
+def _serializer_of_ours() -> bool:
+    """Whether Ray sends tensors through torch's pickling, or through its own zero-copy
+    reducer (``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``), where refshare's form is what keeps
+    them apart: with that reducer each task's tensors view its own object's memory,
+    writably, so one ref shared between tasks would let one worker's in-place write reach
+    the others. A serializer the program registered for tensors is left to do its work."""
     from ray import cloudpickle
 
-    return sys.modules["torch"].Tensor in cloudpickle.CloudPickler.dispatch
+    reducer = cloudpickle.CloudPickler.dispatch.get(sys.modules["torch"].Tensor)
+    if reducer is None:
+        return True
+    try:
+        from ray._private.tensor_serialization_utils import zero_copy_tensors_reducer
+    except ImportError:
+        return False
+    return reducer is zero_copy_tensors_reducer
 
 
 def storable_as_bytes(t: Any) -> bool:
     """Whether refshare stores ``t`` as its storage's bytes: a plain tensor that Ray would
-    send through torch's pickling, whose conjugate and negative bits are unset."""
+    send through torch's pickling (or its zero-copy reducer), whose conjugate and negative
+    bits are unset. The worker then gets a tensor on memory of its own."""
     torch = sys.modules.get("torch")
     return (
         torch is not None
         and type(t) is torch.Tensor
         and pickled_as_storage(t)
         and not (t.is_conj() or t.is_neg())
-        and not _ray_pickles_tensors_itself()
+        and _serializer_of_ours()
     )
 
 
