@@ -77,3 +77,54 @@ class Admission:
     def clear(self) -> None:
         with self._lock:
             self._kinds.clear()
+
+
+#: Members remembered at most, by key (the least recently sent are forgotten).
+MAX_MEMBERS = 1 << 16
+
+
+class Splitting:
+    """Which kinds of values have large members that are sent again, in a later argument:
+    a batch that grows between calls, or goes to several groups. Such a kind is split into
+    members by default; any other is stored whole, in one put."""
+
+    __slots__ = ("_lock", "_repeating", "_seen")
+
+    def __init__(self) -> None:
+        #: member key -> the kind of the value it was sent in
+        self._seen: OrderedDict[bytes, Kind] = OrderedDict()
+        self._repeating: OrderedDict[Kind, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def repeats(self, kind: Kind) -> bool:
+        """Whether values of ``kind`` have had members sent again."""
+        return kind in self._repeating
+
+    def seen(self, key: bytes) -> bool:
+        """Whether a member with content ``key`` was sent before."""
+        return key in self._seen
+
+    def remember(self, keys: list[bytes], kind: Kind) -> None:
+        """Members with content ``keys`` were sent, in a value of ``kind``."""
+        with self._lock:
+            for key in keys:
+                self._seen[key] = kind
+                self._seen.move_to_end(key)
+            while len(self._seen) > MAX_MEMBERS:
+                self._seen.popitem(last=False)
+
+    def found_again(self, keys: list[bytes]) -> None:
+        """Members with content ``keys`` are sent again: the kinds they were sent in repeat."""
+        with self._lock:
+            for key in keys:
+                kind = self._seen.get(key)
+                if kind is not None:
+                    self._repeating[kind] = None
+                    self._repeating.move_to_end(kind)
+            while len(self._repeating) > MAX_KINDS:
+                self._repeating.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._seen.clear()
+            self._repeating.clear()

@@ -86,7 +86,7 @@ class sharing:
         enabled: bool = True,
         reuse_fingerprints: bool = False,
         puts: bool = True,
-        deep: bool = False,
+        deep: bool | None = None,
     ) -> None:
         self._options = Options(min_bytes, cache, enabled, reuse_fingerprints, puts, deep)
 
@@ -175,7 +175,7 @@ def shared_args(
     enabled: bool = True,
     reuse_fingerprints: bool = False,
     puts: bool = True,
-    deep: bool = False,
+    deep: bool | None = None,
 ) -> Callable[[_F], _F]: ...
 
 
@@ -188,7 +188,7 @@ def shared_args(
     enabled: bool = True,
     reuse_fingerprints: bool = False,
     puts: bool = True,
-    deep: bool = False,
+    deep: bool | None = None,
 ) -> _F | Callable[[_F], _F]:
     """Share the large arguments of every Ray call the decorated function submits.
 
@@ -216,10 +216,13 @@ def shared_args(
             ref instead of storing it again. Ray objects are immutable, so a shared ref
             is safe; only ``ray.put(...) is``/``==`` comparisons of refs can tell.
             Puts with ``_owner`` or other options, and small values, go to Ray untouched.
-        deep: also share the large members of an argument (dict values, list items,
-            attributes, ``TensorDict`` entries, ``DataProto`` tensors) one by one, and send
-            the argument as a small skeleton naming them, so a batch that grows between
-            calls sends only what is new.
+        deep: whether to share the large members of an argument (dict values, list items,
+            attributes, ``TensorDict`` leaves, ``DataProto`` tensors) one by one, sending the
+            argument as a small skeleton naming them, so that a batch that grows between
+            calls sends only what is new. ``None`` (the default) decides per argument: its
+            members one by one where one was sent before, or where values of its kind had
+            members sent again later; else the argument whole, in one put. ``True`` or
+            ``False`` always or never. What a worker receives is the same either way.
 
     Use bare (``@shared_args``) or with options (``@shared_args(min_bytes=1 << 20)``).
     Options are checked here, when decorating.

@@ -8,7 +8,7 @@ from collections.abc import Hashable, Iterator
 from typing import Any, NamedTuple
 
 from . import _stats
-from ._admission import Admission
+from ._admission import Admission, Splitting
 from ._ray.session import current_session, local_object_store_bytes
 
 #: Share of the local object store the process-wide cache may hold when no budget is given.
@@ -48,7 +48,8 @@ class RefCache:
     session that made them, so the cache empties itself when it sees a new one.
 
     ``admission`` counts which kinds of values repeat (see ``_admission``): scopes do not
-    key, nor cache, values of a kind that has not repeated lately.
+    key, nor cache, values of a kind that has not repeated lately; ``splitting``, which
+    kinds have members sent again, which scopes split into members by default.
     """
 
     def __init__(self, max_bytes: int | None = None) -> None:
@@ -58,6 +59,7 @@ class RefCache:
         self._session: object = None
         self._lock = threading.RLock()
         self.admission = Admission()
+        self.splitting = Splitting()
 
     @property
     def max_bytes(self) -> int:
@@ -135,6 +137,7 @@ class RefCache:
             self._entries.clear()
             self._nbytes = 0
         self.admission.clear()
+        self.splitting.clear()
 
     def bind_session(self, session: object) -> None:
         """Empty the cache if its refs belong to another Ray session than ``session``."""

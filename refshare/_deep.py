@@ -14,12 +14,16 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ._dispatch import TypeTable
 from ._hashing import Buffer, BufferHasher
+from ._keys.leaves import tensor_digest
+from ._keys.pickler import TRUSTED_PICKLING as TRUSTED
+from ._keys.pickler import runs_own_pickling
 from ._keys.sizes import estimate_size
-from ._keys.tables import leaf_digests
+from ._keys.tables import Key, Keyed, leaf_digests
 from ._ray.pickling import ship_by_value
 from ._wire import bootstrap
 from ._wire.serialized import native_split, pickler_classes, ray_handle_types
@@ -27,52 +31,64 @@ from ._wire.serialized import native_split, pickler_classes, ray_handle_types
 #: Leaves kept inside the skeleton, whatever their size: stored on their own, they would go
 #: through Ray's msgpack, where a ``bytearray`` or a ``memoryview`` arrives as ``bytes``.
 _INLINE = frozenset((str, bytearray, memoryview))
-#: Stores a member by content and returns its ref, or ``None`` to leave it inline.
-StoreFn = Callable[[Any, int], Any]
+#: Keys a member, or returns ``None`` to leave it inline.
+KeyFn = Callable[[Any, int], "Keyed | None"]
 #: Types whose pickling hides their members from ``persistent_id`` (verl's ``DataProto``
 #: ``torch.save``s its batch), each with a reduction that shows them.
 deep_reducers: TypeTable[Callable[[Any], Any]] = TypeTable()
 
 
-class Skeleton:
-    """An argument with its large members taken out: what travels instead of it."""
+@dataclass
+class Split:
+    """An argument pickled with its large members taken out and keyed, none stored yet."""
 
-    __slots__ = (
-        "buffers",
-        "handles",
-        "inband",
-        "key",
-        "members",
-        "members_nbytes",
-        "native",
-        "nbytes",
-    )
+    native: bytes | None  #: Ray's msgpack of an exact dict or list (see ``native_split``)
+    inband: bytes
+    buffers: list[pickle.PickleBuffer]
+    members: list[Keyed]
+    handles: list[Any]
+    #: Whether a member is a plain tensor: the argument, stored whole, is then pickled by
+    #: refshare with its tensors as their bytes.
+    tensors: bool
+    #: What its scope sent for it, once its members and skeleton are stored.
+    result: Any = None
 
-    def __init__(
-        self,
-        native: bytes | None,
-        inband: bytes,
-        buffers: list[pickle.PickleBuffer],
-        members: list[Any],
-        handles: list[Any],
-        members_nbytes: int,
-    ) -> None:
-        self.native = native
-        self.inband = inband
-        self.buffers = buffers
-        self.members = members
-        self.handles = handles
-        #: What the members weigh: a stored skeleton keeps them alive.
-        self.members_nbytes = members_nbytes
-        raws = [buffer.raw() for buffer in buffers]
-        self.nbytes = len(native or b"") + len(inband) + sum(raw.nbytes for raw in raws)
-        parts: list[Buffer] = [native or b"", inband, *raws]
-        hasher = BufferHasher(b"skeleton").add_all(parts)
-        for ref in members:
-            hasher.hasher.update(ref.binary())
-        for handle in handles:
+    @property
+    def nbytes(self) -> int:
+        """What the skeleton weighs, its members left out."""
+        raws = sum(buffer.raw().nbytes for buffer in self.buffers)
+        return len(self.native or b"") + len(self.inband) + raws
+
+    @property
+    def members_nbytes(self) -> int:
+        return sum(member.nbytes for member in self.members)
+
+    def key(self, tag: bytes) -> Key:
+        """A key of the argument's content: its skeleton's bytes and its members' keys.
+        ``tag`` tells apart what is stored under it: the skeleton, or the argument whole."""
+        parts: list[Buffer] = [self.native or b"", self.inband]
+        hasher = BufferHasher(tag).add_all(parts + [buffer.raw() for buffer in self.buffers])
+        for member in self.members:
+            hasher.hasher.update(member.key)
+        for handle in self.handles:
             hasher.hasher.update(_handle_id(handle))
-        self.key = hasher.digest()
+        return hasher.digest()
+
+
+class Skeleton:
+    """An argument with its large members taken out, stored: what travels instead of it."""
+
+    __slots__ = ("buffers", "handles", "inband", "key", "members", "members_nbytes", "native")
+
+    def __init__(self, split: Split, refs: list[Any]) -> None:
+        self.native = split.native
+        self.inband = split.inband
+        self.buffers = split.buffers
+        self.members = refs
+        self.handles = split.handles
+        #: What the members weigh: a stored skeleton keeps them alive.
+        self.members_nbytes = split.members_nbytes
+        self.key = split.key(b"skeleton")
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # The small members' buffers travel out of band, as Ray sends them by value: the
@@ -88,16 +104,26 @@ def _handle_id(handle: Any) -> bytes:
     return bytes(handle._actor_id.binary())  # an actor handle
 
 
-class _Splitter:
-    """One pickling pass of an argument that takes its large members out."""
+class NotSplittable(Exception):
+    """A split refused: the value holds an object whose pickling runs code of its own, which
+    a split would run only to find no member in its output, before the value is pickled
+    again whole."""
 
-    def __init__(self, store: StoreFn, min_bytes: int) -> None:
-        self.store = store
+
+class _Splitter:
+    """One pickling pass of an argument that takes its large members out and keys them.
+
+    ``strict`` refuses values holding objects whose pickling runs code of their own (see
+    :class:`NotSplittable`) where no reduction showing their members is registered."""
+
+    def __init__(self, key: KeyFn, min_bytes: int, strict: bool = False) -> None:
+        self.key = key
         self.min_bytes = min_bytes
+        self.strict = strict
         self.handle_types = ray_handle_types()
-        self.members: list[Any] = []
-        self.members_nbytes = 0
+        self.members: list[Keyed] = []
         self.handles: list[Any] = []
+        self.tensors = False
         self.seen: dict[int, tuple[object, Any]] = {}
 
     def persistent_id(self, obj: Any) -> Any:
@@ -114,17 +140,22 @@ class _Splitter:
         nbytes = estimate_size(obj)
         if nbytes < self.min_bytes:
             return None
-        ref = self.store(obj, nbytes)
-        if ref is None:
-            return None
-        self.members_nbytes += nbytes
-        return self._take(obj, "m", self.members, ref)
+        keyed = self.key(obj, nbytes)
+        if keyed is None:
+            return None  # cannot be keyed: left inline, as by value
+        self.tensors = self.tensors or leaf_digests.exact(cls) is tensor_digest
+        return self._take(obj, "m", self.members, keyed)
 
     def reduce(self, obj: Any) -> Any:
         """A reduction of ``obj`` that shows its members, for a type whose pickling hides
         them; ``None`` for any other."""
-        reduce = deep_reducers.lookup(type(obj))
-        return None if reduce is None else reduce(obj)
+        cls = type(obj)
+        reduce = deep_reducers.lookup(cls)
+        if reduce is not None:
+            return reduce(obj)
+        if self.strict and (runs_own_pickling(cls) or _custom_reducer(cls)):
+            raise NotSplittable(cls.__qualname__)
+        return None
 
     def _take(self, obj: Any, kind: str, into: list[Any], item: Any) -> Any:
         entry = self.seen.get(id(obj))
@@ -135,7 +166,7 @@ class _Splitter:
         self.seen[id(obj)] = (obj, pid)
         return pid
 
-    def split(self, value: Any) -> Skeleton | None:
+    def split(self, value: Any) -> Split | None:
         native, pickled = native_split(value)
         stream = io.BytesIO()
         buffers: list[pickle.PickleBuffer] = []
@@ -145,12 +176,19 @@ class _Splitter:
         if not self.members:
             return None
         ship_by_value(bootstrap)
-        return Skeleton(
-            native, stream.getvalue(), buffers, self.members, self.handles, self.members_nbytes
-        )
+        return Split(native, stream.getvalue(), buffers, self.members, self.handles, self.tensors)
 
 
-def split(value: Any, store: StoreFn, min_bytes: int) -> Skeleton | None:
-    """The skeleton of ``value``, its large members stored with ``store``; ``None`` if it
-    has no large member (it then goes as a whole, as without deep sharing)."""
-    return _Splitter(store, min_bytes).split(value)
+def _custom_reducer(cls: type) -> bool:
+    """Whether a serializer the program registered with Ray pickles ``cls``."""
+    from ray import cloudpickle
+
+    module = getattr(cls, "__module__", "") or ""
+    return cls in cloudpickle.CloudPickler.dispatch and module.partition(".")[0] not in TRUSTED
+
+
+def split(value: Any, key: KeyFn, min_bytes: int, strict: bool = False) -> Split | None:
+    """``value`` pickled with its large members taken out, each keyed with ``key``; ``None``
+    if it has no large member (it then goes as a whole, as without deep sharing). Raises
+    :class:`NotSplittable` where ``strict`` refuses it."""
+    return _Splitter(key, min_bytes, strict).split(value)

@@ -29,7 +29,7 @@ class Options:
     enabled: bool = True
     reuse_fingerprints: bool = False
     puts: bool = True
-    deep: bool = False
+    deep: bool | None = None
 
     def __post_init__(self) -> None:
         min_bytes = self.min_bytes
@@ -45,8 +45,12 @@ class Options:
                 f"cache={self.cache!r}: pass True (the process-wide cache), False (share "
                 "within one call only) or a refshare.RefCache"
             )
-        for name in ("enabled", "reuse_fingerprints", "puts", "deep"):
+        for name in ("enabled", "reuse_fingerprints", "puts"):
             _check_flag(name, getattr(self, name))
+        if self.deep is not None and not isinstance(self.deep, bool):
+            raise TypeError(
+                f"deep={self.deep!r}: pass None (the default: split where it pays), True or False"
+            )
 
     @property
     def threshold(self) -> int:

@@ -10,32 +10,25 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, NamedTuple
+from typing import Any
 
 from ray import ObjectRef
 
 from . import _admission, _stats
+from ._admission import Admission, Splitting
 from ._cache import RefCache, scope_budget
-from ._deep import Skeleton, split
-from ._keys import Key, Memo, identify
+from ._deep import NotSplittable, Skeleton, Split, split
+from ._keys import Key, Keyed, Memo, identify
 from ._keys.pickler import runs_own_pickling
 from ._keys.sizes import SCALARS, estimate_size, measure
 from ._keys.structure import StampedMemo
-from ._keys.tables import leaf_digests
+from ._keys.tables import leaf_digests, user_fingerprints
 from ._options import Options
 from ._ray.session import current_session, stored_bytes
 from ._ray.submit import raw_put
 from ._wire.serialized import PickleOnPut, stored_form
 
 logger = logging.getLogger("refshare")
-
-
-class Keyed(NamedTuple):
-    """A value keyed: its key, what to put for it on a miss, and what it weighs."""
-
-    key: Key
-    stored: Any
-    nbytes: int
 
 
 class Scope:
@@ -71,6 +64,7 @@ class Scope:
         "reuse",
         "session",
         "splits",
+        "splitting",
         "unkeyed",
     )
 
@@ -86,6 +80,8 @@ class Scope:
         self.local: dict[Key, Any] = {}
         self.pending: dict[Key, threading.Lock] = {}
         self.unkeyed: set[int] = set()
+        #: What is learned of which kinds of values have members sent again (deep=None).
+        self.splitting = self.cache.splitting if self.cache is not None else Splitting()
         self.held = 0
         self.session: tuple[str, str] | None = None
 
@@ -119,15 +115,7 @@ class Scope:
         nbytes = self.size_if_large(value)
         if nbytes is None or not self.ready():
             return value  # small, or Ray is not running yet: it starts on this very call
-        if self.deep:
-            skeleton = self.split(value)
-            if skeleton is not None:
-                if skeleton.nbytes < self.min_bytes or skeleton.handles:
-                    # Inside the task message, as Ray inlines a small value; or sent with
-                    # the task, so that the refs and handles in it live as long as by value.
-                    return skeleton
-                return self.store_keyed(Keyed(skeleton.key, skeleton, skeleton.nbytes), skeleton)
-        return self.store(value, nbytes, fallback=value, admit=True)
+        return self.store_argument(value, nbytes, fallback=value)
 
     def ray_put(self, value: Any, **options: Any) -> Any:
         """The ref for ``ray.put(value, **options)`` made inside this scope: found by
@@ -140,16 +128,76 @@ class Scope:
         nbytes = self.size_if_large(value)
         if nbytes is None or not self.ready():
             return None
-        skeleton = self.split(value) if self.deep else None
-        if skeleton is None:
-            ref = self.store(value, nbytes, fallback=None, admit=True)
-        elif skeleton.handles:
-            ref = None
-        else:
-            ref = self.store_keyed(Keyed(skeleton.key, skeleton, skeleton.nbytes), None)
+        ref = self.store_argument(value, nbytes, fallback=None, put=True)
         if ref is not None:
             _stats.record_put_call()
         return ref
+
+    def store_argument(self, value: Any, nbytes: int, fallback: Any, put: bool = False) -> Any:
+        """The ref of a task's argument or a ``ray.put``'s value: whole, or its large members
+        one by one and a skeleton naming them (deep sharing).
+
+        By default (``deep=None``) a value is split where that saves work: where one of its
+        members was sent before, or where values of its kind (its type and size, see
+        ``refshare._admission``) have had members sent again later; else it is stored
+        whole, in one put. A skeleton too small to store, or holding refs or handles, is
+        returned, to travel with its task; for a ``ray.put`` (``put``), a skeleton is always
+        stored, and one holding refs or handles is left to Ray's own put.
+        """
+        kind = _admission.kind(value, nbytes)
+        admission = self.cache.admission if self.cache is not None else None
+        if self.deep is False or leaf_digests.exact(type(value)) is not None:
+            return self.store(value, nbytes, fallback, admission, kind)
+        if self.deep is None and user_fingerprints.lookup(type(value)) is not None:
+            return self.store(value, nbytes, fallback, admission, kind)  # keyed as taught
+        learned = self.splitting
+        deep = self.deep is True or learned.repeats(kind)
+        if not deep and admission is not None and not admission.keyed(kind):
+            return self.store_cold(value, nbytes, fallback, admission, kind)
+        found = self.split(value)
+        if found is not None and found.result is not None:
+            return found.result  # this very value, split and stored before in this call
+        if found is None:  # no large member: keyed whole
+            return self.store(value, nbytes, fallback, admission, kind, asked=not deep)
+        members = [member.key for member in found.members]
+        if self.deep is None and not found.handles:  # stored whole, refs would outlive it
+            stored = PickleOnPut(value) if found.tensors else value
+            whole = Keyed(found.key(b"whole"), stored, nbytes)
+            if self.stored(whole.key):  # the very content was stored whole before
+                if admission is not None:
+                    admission.record(kind, hit=True)
+                return self.store_keyed(whole, fallback)
+            if not deep:
+                sent_before = [key for key in members if self.stored(key) or learned.seen(key)]
+                if not sent_before:
+                    learned.remember(members, kind)
+                    if admission is not None:
+                        admission.record(kind, hit=False)
+                    return self.store_keyed(whole, fallback)
+                learned.found_again(sent_before)
+        learned.remember(members, kind)
+        if put and found.handles:
+            return None  # Ray's own put: the refs and handles live as long as its object
+        result = self.store_split(found, fallback, inline=not put)
+        if result is not fallback:
+            found.result = result
+        return result
+
+    def store_split(self, found: Split, fallback: Any, inline: bool) -> Any:
+        """Store each member of ``found`` by content, then its skeleton; with ``inline``, a
+        skeleton that is small or holds refs or handles is returned instead, to travel
+        inside the task message, as Ray inlines a small value, or with the task, so that the
+        refs and handles in it live as long as by value."""
+        refs = []
+        for member in found.members:
+            ref = self.store_keyed(member, None)
+            if ref is None:
+                return fallback  # a member Ray refused: the argument goes by value
+            refs.append(ref)
+        skeleton = Skeleton(found, refs)
+        if inline and (found.nbytes < self.min_bytes or found.handles):
+            return skeleton
+        return self.store_keyed(Keyed(skeleton.key, skeleton, found.nbytes), fallback)
 
     def size_if_large(self, value: Any) -> int | None:
         """The size of ``value`` if it reaches ``min_bytes``, else ``None``."""
@@ -174,52 +222,64 @@ class Scope:
                 self.cache.bind_session(session)
         return True
 
-    def split(self, value: Any) -> Skeleton | None:
-        """``value``'s skeleton, its large members stored by content; ``None`` for a leaf or
-        a value without large members. Within this scope a value is split once while its
+    def split(self, value: Any) -> Split | None:
+        """``value`` pickled with its large members taken out and keyed; ``None`` for a
+        value without large members. Within this scope a value is split once while its
         structure stamp holds."""
-        if leaf_digests.exact(type(value)) is not None:
-            return None
-        skeleton: Skeleton | None = self.splits.get(value)
-        if skeleton is not None:
-            return skeleton
+        found: Split | None = self.splits.get(value)
+        if found is not None:
+            return found
         try:
-            skeleton = split(value, self.store_member, self.min_bytes)
+            found = split(value, self.key_member, self.min_bytes, strict=self.deep is None)
+        except NotSplittable:
+            return None
         except Exception:
             logger.debug("cannot split %s; shared whole", type(value).__qualname__, exc_info=True)
             return None
-        if skeleton is not None and not skeleton.handles:
-            self.splits.keep(value, skeleton)  # not one holding handles: they would live on
-        return skeleton
+        if found is not None and not found.handles:
+            self.splits.keep(value, found)  # not one holding handles: they would live on
+        return found
 
-    def store_member(self, member: Any, nbytes: int) -> Any:
-        return self.store(member, nbytes, fallback=None)
+    def key_member(self, member: Any, nbytes: int) -> Keyed | None:
+        return self.key(member, nbytes)
 
     # -- one value: keyed, looked up, or put --------------------------------------------------
 
-    def store(self, value: Any, nbytes: int, fallback: Any, admit: bool = False) -> Any:
+    def store(
+        self,
+        value: Any,
+        nbytes: int,
+        fallback: Any,
+        admission: Admission | None = None,
+        kind: _admission.Kind | None = None,
+        asked: bool = False,
+    ) -> Any:
         """The ref for ``value``'s content: found in the scope or cache, or put now.
 
-        With ``admit`` (a task's argument, a ``ray.put``), a value of a kind the cache has
-        not seen repeat lately is put without being keyed (see ``refshare._admission``)."""
-        admission = self.cache.admission if admit and self.cache is not None else None
-        kind = _admission.kind(value, nbytes)
-        if admission is not None and not admission.keyed(kind):
-            if id(value) not in self.unkeyed:
-                # Only its id is kept: an id recycled meanwhile at worst keys a value.
-                self.unkeyed.add(id(value))
-                return self.put_unkeyed(value, nbytes, fallback)
-            admission.record(kind, hit=True)  # sent again within this call: it repeats
+        With an ``admission`` (a task's argument, a ``ray.put``), a value of a ``kind`` the
+        cache has not seen repeat lately is put without being keyed (see
+        ``refshare._admission``); ``asked``: the admission has already said to key it."""
+        if admission is not None and kind is not None and not (asked or admission.keyed(kind)):
+            return self.store_cold(value, nbytes, fallback, admission, kind)
         keyed = self.key(value, nbytes)
         if keyed is None:
             _stats.record_by_value()
             return fallback
-        if admission is not None:
-            ref = self.lookup(keyed.key, keyed.nbytes)
-            admission.record(kind, hit=ref is not None)
-            if ref is not None:
-                return ref
+        if admission is not None and kind is not None:
+            admission.record(kind, hit=self.stored(keyed.key))
         return self.store_keyed(keyed, fallback)
+
+    def store_cold(
+        self, value: Any, nbytes: int, fallback: Any, admission: Admission, kind: _admission.Kind
+    ) -> Any:
+        """A value of a kind that has not repeated lately: put as it is, unless it is sent
+        again within this call, which shows that its kind repeats after all."""
+        if id(value) not in self.unkeyed:
+            # Only its id is kept: an id recycled meanwhile at worst keys a value.
+            self.unkeyed.add(id(value))
+            return self.put_unkeyed(value, nbytes, fallback)
+        admission.record(kind, hit=True)
+        return self.store(value, nbytes, fallback)
 
     def key(self, value: Any, nbytes: int) -> Keyed | None:
         """Key ``value``, or ``None`` for by value.
@@ -257,6 +317,10 @@ class Scope:
             if ref is not None:
                 return ref
             return self.put(keyed, fallback)
+
+    def stored(self, key: Key) -> bool:
+        """Whether content is stored under ``key``, in the scope or cache (no hit counted)."""
+        return key in self.local or (self.cache is not None and key in self.cache)
 
     def lookup(self, key: Key, nbytes: int) -> Any:
         """The ref already stored under ``key`` in the scope or cache (a hit), or ``None``."""

@@ -215,9 +215,14 @@ def test_values_with_their_own_pickling_are_put_as_ray_would() -> None:
 
 def test_values_with_refs_inside_go_by_value_and_never_turn_a_kind_cold() -> None:
     inner = ray.put(np.arange(10))
-    shared = refshare.shared_args(lambda v: ray.get(contents.remote(v)))
+    shared = refshare.shared_args(deep=False)(lambda v: ray.get(contents.remote(v)))
     values = [{"ref": inner, "data": np.full(SIZE, i, dtype=np.uint8)} for i in range(20)]
     seen = [shared(v) for v in values]
     assert refshare.stats()[:3] == (0, 0, 0)  # no put, no hit, nothing stored
     assert refshare.stats().by_value == len(values)
     assert seen == [ray.get(contents.remote(v)) for v in values]
+    # By default, their large members are shared, and what holds the ref goes with the task.
+    refshare.reset_stats()
+    default = refshare.shared_args(lambda v: ray.get(contents.remote(v)))
+    assert [default(v) for v in values] == seen
+    assert refshare.stats().puts == len(values) and refshare.stats().by_value == 0

@@ -22,22 +22,26 @@ from _harness import report, session
 from _harness.report import REPO, MiB, log, ms
 from _harness.stats import median, quartiles, ratio_interval, rotated
 
-#: The framework as it is; top-level sharing; deep=True; and the framework as it is again,
-#: timed as one more strategy: what it measures against plain is the run's own noise.
-STRATEGIES = ("plain", "refshare", "deep", "control")
-#: refshare's default mode, for replays that time it beside the others: what
-#: ``refshare.enable(framework)`` will do when it chooses per value. Until refshare has such a
-#: mode, its options are top-level sharing's; the day it has, they go here. It keeps a cache
-#: of its own (see :class:`Sharing`).
+#: refshare's default mode (``deep=None``: it chooses per argument, whole or member by
+#: member), what ``refshare.enable(framework)`` does; it keeps a cache of its own (see
+#: :class:`Sharing`).
 AUTO = "auto"
 AUTO_OPTIONS: dict[str, Any] = {}
-WITH_AUTO = ("plain", "refshare", "deep", AUTO, "control")
+#: The framework as it is; top-level sharing (``deep=False``); ``deep=True``; the default;
+#: and the framework as it is again, timed as one more strategy: what it measures against
+#: plain is the run's own noise.
+STRATEGIES = ("plain", "refshare", "deep", AUTO, "control")
+WITH_AUTO = STRATEGIES
 #: The options refshare is turned on with, per strategy.
-OPTIONS: dict[str, dict[str, Any]] = {"refshare": {}, "deep": {"deep": True}, AUTO: AUTO_OPTIONS}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "refshare": {"deep": False},
+    "deep": {"deep": True},
+    AUTO: AUTO_OPTIONS,
+}
 #: Strategies that run the framework untouched.
 UNTOUCHED = ("plain", "control")
 #: How tables name the strategies.
-LABELS = {"plain": "plain", "refshare": "refshare", "deep": "deep", AUTO: AUTO,
+LABELS = {"plain": "plain", "refshare": "top-level", "deep": "deep", AUTO: "default",
           "control": "plain again"}  # fmt: skip
 
 

@@ -10,4 +10,5 @@ from .pickler import Identified as Identified
 from .pickler import fingerprint as fingerprint
 from .pickler import identify as identify
 from .tables import Key as Key
+from .tables import Keyed as Keyed
 from .tables import Memo as Memo

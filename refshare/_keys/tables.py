@@ -36,6 +36,14 @@ class MemoEntry(NamedTuple):
 #: Keyed by ``id(obj)``, or by a tuple naming what was hashed (a tensor's own elements, a
 #: storage several views share).
 Memo = dict[object, MemoEntry]
+
+
+class Keyed(NamedTuple):
+    """A value keyed: its key, what to put for it on a miss, and what it weighs."""
+
+    key: Key
+    stored: Any
+    nbytes: int
 #: What defines a registered type's content: any value refshare can fingerprint itself.
 FingerprintFn = Callable[[Any], Any]
 #: Digests a leaf, with the per-call memo and whether digests may be kept across calls.

@@ -134,3 +134,14 @@ def rebuild_consolidated(rebuild: Any, metadata: Any, pieces: list[Any], nbytes:
             ctypes.memmove(at, source.ctypes.data, source.size)
         at += source.size
     return rebuild(metadata, storage)
+
+
+def rebuild_roll_dataproto(cls: Any, fields: Any) -> Any:
+    """A ROLL ``DataProto`` as its ``__setstate__`` leaves it: a new instance, never
+    initialized, with each field its state holds set in that order (``_batch``,
+    ``_non_tensor_batch``, ``_remote_batch``, ``meta_info``; before v0.3.0 ``batch``,
+    ``non_tensor_batch``, ``meta_info``)."""
+    data = cls.__new__(cls)
+    for name, value in fields:
+        setattr(data, name, value)
+    return data

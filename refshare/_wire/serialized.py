@@ -136,6 +136,9 @@ def pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
             reduced = self.splitter.reduce(obj)
             if reduced is not None:
                 return reduced
+            form = own_form(obj)  # a small tensor, left inside the skeleton: as its bytes
+            if form is not None:
+                return form.__reduce__()
             return super().reducer_override(obj)
 
     return RayPickler, SplitPickler
