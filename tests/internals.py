@@ -18,6 +18,7 @@ from refshare._cache import process_cache  # the process-wide cache, to count it
 from refshare._hashing import PARALLEL_MIN_BYTES, digest_buffer  # the chunked digest
 from refshare._integrations import FRAMEWORKS, _enabled  # the frameworks enable() knows
 from refshare._integrations.framework import Framework, Target
+from refshare._integrations.skyrl import register_tensor_batch  # a mirror keyed as SkyRL's
 from refshare._keys import identify  # keying with a memo of one's own, as a call does
 from refshare._keys import leaves as leaf_digests  # which hash ran (by name)
 from refshare._keys.pickler import SERIALIZE_OBJECT_ARRAYS_FROM, _digest_array_list
@@ -54,6 +55,7 @@ __all__ = [
     "leaf_digests",
     "measure",
     "process_cache",
+    "register_tensor_batch",
     "scope",
     "serialized",
     "submit",
