@@ -30,6 +30,7 @@ REPLICATED = ["context_parallel", "tensor_parallel", "pipeline_parallel"]
 
 def ray_put(value: Any) -> Any:  # the mirror calls this where NeMo-RL calls ray.put
     PUTS["ray.put"] += 1
+    PUTS["ray.put bytes"] += refshare.estimate_size(value)
     return ray.put(value)
 
 
@@ -272,12 +273,19 @@ def main() -> None:
 
         print("NeMo-RL main (7ea279a) mirror, dp=2 x tp=2; per step: get_logprobs,")
         print("get_reference_policy_logprobs and train, each sharded over DP")
-        print("step         stored without refshare (ray.put)   stored with refshare   hits")
+        print("step         stored without refshare (ray.put)    stored with refshare    hits")
+        print("                           objects     MiB          objects     MiB")
         for label, old, new in zip(labels, plain, shared, strict=True):
-            print(f"{label:<12} {old['ray.put']:>33} {new['puts']:>22} {new['hits']:>6}")
-        # 2 log-prob shards (the reference's call finds them) + 2 train shards, then nothing.
-        assert [row["puts"] for row in shared] == [4, 0, 0, 4], shared
-        assert [row["hits"] for row in shared] == [2, 6, 6, 2], shared
+            print(
+                f"{label:<12} {old['ray.put']:>17} {old['ray.put bytes'] / 2**20:>7.1f}"
+                f" {new['puts']:>16} {new['bytes_put'] / 2**20:>7.1f} {new['hits']:>7}"
+            )
+        mib = [row["bytes_put"] / 2**20 for row in shared]
+        plain_mib = [row["ray.put bytes"] / 2**20 for row in plain]
+        # New data: each distinct tensor once (the train shards add their new keys only, from
+        # the second batch on); the same data again: nothing.
+        assert mib[1] == mib[2] == 0, mib
+        assert mib[0] < plain_mib[0] and mib[3] < 0.7 * plain_mib[3], (mib, plain_mib)
         print(refshare.stats())
     finally:
         ray.shutdown()
