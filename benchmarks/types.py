@@ -214,6 +214,31 @@ def rows(cfg: Config) -> Iterator[Callable[[], Row]]:
 
     yield lambda: dataproto_row(False)
     yield lambda: dataproto_row(True)
+    yield lambda: training_input_row(cols)
+
+
+def training_input_row(cols: int) -> Row:
+    """SkyRL's ``TrainingInputBatch``, the real one if importable, else the mirror of 0.4.0
+    in ``examples/skyrl_style.py``: four fields and its metadata, pickled by its own
+    ``__reduce__``."""
+    try:
+        from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
+
+        cls, note = TrainingInputBatch, "real skyrl TrainingInputBatch"
+    except ImportError:
+        steps.examples_importable()
+        import skyrl_style
+
+        cls = skyrl_style.TrainingInputBatch
+        note = "mirror of SkyRL 0.4.0 (examples/skyrl_style.py)"
+
+    def batch() -> Any:
+        made = cls({k: v.clone() for k, v in fields.items()})
+        made.metadata = {"response_length": cols // 8, "uids": [f"uid-{i}" for i in range(256)]}
+        return made
+
+    fields = tensors(cols)
+    return Row("SkyRL TrainingInputBatch", batch(), batch(), note)
 
 
 # -- what a row weighs, and how refshare keys it ----------------------------------------------

@@ -288,18 +288,18 @@ class Scope:
         it pickled to; within this scope it is not pickled again while its structure stamp
         holds, once its class has shown that pickling an unchanged value gives the same
         bytes (see :func:`pickles_alike`)."""
-        kept: tuple[Key, int] | None = self.pickled.get(value)
+        kept: Keyed | None = self.pickled.get(value)
         if kept is not None and pickles_alike(type(value)):
-            return Keyed(kept[0], value, kept[1])
+            return kept._replace(stored=value)
         found = identify(value, self.memo, self.reuse)
         if found is None:
             return None
         if found.serialized is not None:
             nbytes = found.serialized.nbytes
         if kept is not None:
-            learn_pickling(type(value), alike=found.key == kept[0])
+            learn_pickling(type(value), alike=found.key == kept.key)
         if found.costly:
-            self.pickled.keep(value, (found.key, nbytes))
+            self.pickled.keep(value, Keyed(found.key, None, nbytes))
         if found.serialized is not None:
             return Keyed(found.key, found.serialized, nbytes)
         return Keyed(found.key, PickleOnPut(value) if found.tensors else value, nbytes)

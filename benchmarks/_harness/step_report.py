@@ -7,7 +7,7 @@ from typing import Any
 
 from _harness.report import DASH, TIMES, TIMES_LE, MiB, machine_lines, ms, table
 from _harness.stats import median
-from _harness.steps import LABELS
+from _harness.steps import AUTO, LABELS
 
 
 def setup_lines(results: dict[str, Any], workers: str, strategies: Sequence[str]) -> list[str]:
@@ -42,6 +42,8 @@ def goals(summary: dict[str, Any], broadcast_hit: bool | None) -> list[tuple[str
     ]  # fmt: skip
     if broadcast_hit is not None:
         out.append(("refshare: the repeated broadcast hit the cache in every step", broadcast_hit))
+    if AUTO in r:
+        out += auto_goals(summary)
     return [
         *out,
         (f"deep: stored per step {TIMES_LE} 1.15{TIMES} distinct ({deep / distinct:.2f})",
@@ -54,6 +56,25 @@ def goals(summary: dict[str, Any], broadcast_hit: bool | None) -> list[tuple[str
          f"{r['refshare']['step']:.2f} of plain)", r["deep"]["step"] < r["refshare"]["step"]),
         (f"deep: no call above 1.05{TIMES} plain ({worst_call(summary, 'deep')})",
          worst["deep"] <= 1.05),
+    ]  # fmt: skip
+
+
+def auto_goals(summary: dict[str, Any]) -> list[tuple[str, bool]]:
+    """The default's targets: the better mode's time within 5%, the distinct bytes within
+    15%, and no call above plain's by more than the run's noise."""
+    r, stored = summary["ratio_to_plain"], summary["stored_median"]
+    best = min(r["refshare"]["step"], r["deep"]["step"])
+    calls = [c for c in r["plain"] if c != "step"]
+    worst = max(calls, key=lambda c: r[AUTO][c])
+    low, _high = summary["ratio_interval"][AUTO][worst]
+    distinct = summary["distinct_bytes"]
+    return [
+        (f"default: whole step {TIMES_LE} 1.05{TIMES} the better of top-level and deep "
+         f"({r[AUTO]['step']:.2f} vs {best:.2f} of plain)", r[AUTO]["step"] <= 1.05 * best),
+        (f"default: stored per step {TIMES_LE} 1.15{TIMES} distinct "
+         f"({stored[AUTO] / distinct:.2f})", stored[AUTO] <= 1.15 * distinct),
+        (f"default: no call above plain beyond the run's noise ({worst_call(summary, AUTO)})",
+         low <= 1.05),
     ]  # fmt: skip
 
 

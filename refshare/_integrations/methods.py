@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import threading
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._api import SharedFunction
 from .._options import Options
 from .._ray.pickling import ensure_pickling_patch
 from .._ray.submit import in_chain
 
-#: (owner, name) -> (the attribute refshare replaced, the wrapper it put there).
-_patched: dict[tuple[Any, str], tuple[Any, SharedFunction]] = {}
+
+class _Patched(NamedTuple):
+    original: Any  #: the attribute refshare replaced, or ``_INHERITED``
+    wrapper: SharedFunction  #: the wrapper it put there
+
+
+#: (owner, name) -> what refshare replaced there.
+_patched: dict[tuple[Any, str], _Patched] = {}
 _lock = threading.Lock()
 
 
@@ -34,8 +40,8 @@ def _own_attribute(owner: Any, name: str) -> tuple[Any, Any]:
         raise AttributeError(f"{_label(owner, name)} does not exist: check the name")
     attribute = stored_on.__dict__[name]
     entry = _patched.get((stored_on, name))
-    if stored_on is not owner and entry is not None and attribute is entry[1]:
-        attribute = entry[1].__wrapped__
+    if stored_on is not owner and entry is not None and attribute is entry.wrapper:
+        attribute = entry.wrapper.__wrapped__
     if isinstance(attribute, property) or not callable(getattr(attribute, "__func__", attribute)):
         raise TypeError(
             f"{_label(owner, name)} is a {type(attribute).__name__}, not a method: "
@@ -64,12 +70,13 @@ def patch_methods(owner: type | types.ModuleType, *names: str, **options: Any) -
     with _lock:
         for name, original, _stored_on in found:
             entry = _patched.get((owner, name))
-            if entry is not None and in_chain(owner.__dict__.get(name), entry[1]):
+            if entry is not None and in_chain(owner.__dict__.get(name), entry.wrapper):
                 wrapped.append(_label(owner, name))
                 continue
             wrapper = SharedFunction(original, resolved)
             setattr(owner, name, wrapper)
-            _patched[(owner, name)] = (original if _stored_on is owner else _INHERITED, wrapper)
+            kept = original if _stored_on is owner else _INHERITED
+            _patched[(owner, name)] = _Patched(kept, wrapper)
             wrapped.append(_label(owner, name))
     return wrapped
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -143,19 +143,27 @@ def storage_stamp(t: Any) -> Stamp:
     return (where, spot), tensor_trust(t)
 
 
-#: Digests of unchanged objects, across calls: memo key -> (weakref, stamp, digest). The
-#: weakref both proves the object is the one hashed (ids are recycled) and removes the
-#: entry when the object dies.
-_seen: dict[object, tuple[weakref.ref[Any], object, Key]] = {}
+class _Kept(NamedTuple):
+    """A digest kept across calls, against a weak reference to what it is the digest of:
+    the reference both proves the object is the one hashed (ids are recycled) and removes
+    the entry when the object dies."""
+
+    anchor: weakref.ref[Any]
+    stamp: object
+    digest: Key
+
+
+#: Digests of unchanged objects, across calls, by memo key.
+_seen: dict[object, _Kept] = {}
 
 
 def _remember(key: object, obj: object, stamp: object, digest: Key) -> None:
     def forget(ref: weakref.ref[Any]) -> None:
         entry = _seen.get(key)
-        if entry is not None and entry[0] is ref:
+        if entry is not None and entry.anchor is ref:
             del _seen[key]
 
-    _seen[key] = (weakref.ref(obj, forget), stamp, digest)
+    _seen[key] = _Kept(weakref.ref(obj, forget), stamp, digest)
 
 
 def _trusted(trust: Trust, reuse: bool) -> bool:
@@ -212,10 +220,10 @@ def leaf_digest(
             return entry.digest
     if _trusted(trust, reuse):
         seen = _seen.get(memo_key)
-        if seen is not None and seen[0]() is anchor and seen[1] == stamp:
+        if seen is not None and seen.anchor() is anchor and seen.stamp == stamp:
             if memo is not None:
-                memo[memo_key] = MemoEntry(anchor, stamp, seen[2])
-            return seen[2]
+                memo[memo_key] = MemoEntry(anchor, stamp, seen.digest)
+            return seen.digest
     digest = leaf(obj)
     if digest is not None:
         _keep(memo, memo_key, anchor, stamped, digest, reuse)
