@@ -167,6 +167,9 @@ class _Splitter:
         return pid
 
     def split(self, value: Any) -> Split | None:
+        # Before pickling: a reduction naming bootstrap's functions must name them by value
+        # in every split, or equal content would pickle, and key, two ways.
+        ship_by_value(bootstrap)
         native, pickled = native_split(value)
         stream = io.BytesIO()
         buffers: list[pickle.PickleBuffer] = []
@@ -175,7 +178,6 @@ class _Splitter:
         pickler.dump(pickled)
         if not self.members:
             return None
-        ship_by_value(bootstrap)
         return Split(native, stream.getvalue(), buffers, self.members, self.handles, self.tensors)
 
 

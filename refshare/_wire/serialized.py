@@ -145,6 +145,7 @@ def pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
 
 
 def _dumps(pickler_class: type[pickle.Pickler], value: Any, keyed: bool = True) -> Serialized:
+    ship_by_value(bootstrap)  # before pickling: the forms name its functions, by value
     native, pickled = native_split(value)
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
