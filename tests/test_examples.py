@@ -51,8 +51,9 @@ def run_example(path: Path, *, without_torch: bool = False) -> subprocess.Comple
 
 
 #: Examples that need torch, as the framework they mirror does (verl's DataProto pickles
-#: through ``torch.save``): never run without it.
-NEED_TORCH = {"verl_style.py"}
+#: through ``torch.save``, as ROLL's does; OpenRLHF sends CPU tensors under Ray's zero-copy
+#: tensor serializer): never run without it.
+NEED_TORCH = {"verl_style.py", "openrlhf_style.py", "roll_style.py"}
 #: (example, without torch) for every run the tests below check.
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 RUNS = [(p, False) for p in EXAMPLES if HAS_TORCH or p.name not in NEED_TORCH] + [
@@ -79,7 +80,7 @@ def check(result: subprocess.CompletedProcess[str]) -> None:
 
 def test_examples_exist() -> None:
     names = {p.name for p in EXAMPLES}
-    frameworks = {f"{name}_style.py" for name in ("verl", "nemo", "openrlhf", "skyrl")}
+    frameworks = {f"{name}_style.py" for name in ("verl", "nemo", "openrlhf", "skyrl", "roll")}
     assert {"quickstart.py", *frameworks} <= names, names
 
 
