@@ -215,6 +215,33 @@ def rows(cfg: Config) -> Iterator[Callable[[], Row]]:
     yield lambda: dataproto_row(False)
     yield lambda: dataproto_row(True)
     yield lambda: training_input_row(cols)
+    yield lambda: roll_dataproto_row(cols)
+
+
+def roll_dataproto_row(cols: int) -> Row:
+    """ROLL's ``DataProto``, the real one if importable, else the mirror of main 8eb27cc2 in
+    ``examples/roll_style.py`` under ROLL's module names (as refshare then finds it): the
+    same tensors, uids beside them and ``meta_info``, pickled through ``torch.save``."""
+    try:
+        from roll.distributed.scheduler.protocol import DataProto
+
+        cls, note = DataProto, "real ROLL DataProto"
+    except ImportError:
+        steps.examples_importable()
+        import roll_style
+
+        roll_style.publish_as_roll()
+        cls, note = roll_style.DataProto, "mirror of ROLL main 8eb27cc2 (examples/roll_style.py)"
+    uids = np.array([f"uid-{i}" for i in range(256)], object)
+
+    def batch() -> Any:
+        fields = {k: v.clone() for k, v in tensors(cols).items()}
+        return cls.from_dict(fields, {"uid": uids.copy()}, {"global_step": 0})
+
+    torch.manual_seed(0)
+    first = batch()
+    torch.manual_seed(0)
+    return Row("ROLL DataProto", first, batch(), note)
 
 
 def training_input_row(cols: int) -> Row:
