@@ -251,9 +251,9 @@ def two_states(sink: Any, value: Any, poke: Callable[[int], None]) -> Callable[[
 
 
 def test_documented_limit_an_array_changed_within_one_call(sink: Any) -> None:
-    # README: within one call an array is hashed once; a change in place that touches none
-    # of the 512 spot-checked elements, between two .remote() of the same decorated call,
-    # is not caught. This shows what the worker then receives.
+    # docs/guarantees.md: within one call an array is hashed once; a change in place that
+    # touches none of the 512 spot-checked elements, between two .remote() of the same
+    # decorated call, is not caught. This shows what the worker then receives.
     by_value, shared = by_value_and_shared(two_states(sink, *writable("ndarray")))
     assert by_value[1][0] != by_value[1][1]  # Ray alone sends each state
     assert shared == ("ok", [by_value[1][0]] * 2)  # refshare sends the first one twice
