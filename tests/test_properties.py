@@ -183,10 +183,7 @@ def test_keys_are_stable_within_a_process() -> None:
 
 def test_two_processes_give_different_keys_for_the_same_value() -> None:
     # The seed is drawn per process: a key cannot be computed, or a collision crafted, offline.
-    script = (
-        "import numpy, refshare;"
-        "print(refshare.fingerprint(numpy.arange(1000)).hex())"
-    )
+    script = "import numpy, refshare;print(refshare.fingerprint(numpy.arange(1000)).hex())"
     runs = [
         subprocess.run(
             [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True

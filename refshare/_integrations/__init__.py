@@ -31,6 +31,7 @@ FRAMEWORKS: dict[str, Framework] = {
 #: framework name -> the (owner, method) pairs enable() wrapped.
 _enabled: dict[str, list[tuple[Any, str]]] = {}
 
+
 def _check_names(frameworks: tuple[str, ...]) -> None:
     unknown = [name for name in frameworks if name not in FRAMEWORKS]
     if unknown:

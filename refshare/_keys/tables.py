@@ -44,6 +44,8 @@ class Keyed(NamedTuple):
     key: Key
     stored: Any
     nbytes: int
+
+
 #: What defines a registered type's content: any value refshare can fingerprint itself.
 FingerprintFn = Callable[[Any], Any]
 #: Digests a leaf, with the per-call memo and whether digests may be kept across calls.
