@@ -13,11 +13,12 @@ import wrapt
 
 from ._cache import process_cache
 from ._context import Frame, current_scope, enter, innermost, leave
+from ._keys.pickler import forget_pickling
 from ._keys.sizes import estimate_size
 from ._options import CacheOption, Options
 from ._ray.pickling import ensure_pickling_patch, self_pickling_types
 from ._ray.submit import ensure_installed, raw_put
-from ._scope import Scope, forget_pickling
+from ._scope import Scope
 
 logger = logging.getLogger("refshare")
 

@@ -33,6 +33,8 @@ def _check_max_bytes(max_bytes: object) -> int | None:
 class CacheEntry(NamedTuple):
     ref: Any
     nbytes: int  #: what the object store holds for it, recorded when it was stored
+    #: The object it is stored in with other entries (deep sharing's bundles), or ``None``.
+    group: Hashable | None = None
 
 
 class RefCache:
@@ -41,7 +43,8 @@ class RefCache:
     Each entry weighs what the object store holds for the ref, recorded when it is inserted
     (a ref itself has no size). Eviction happens in :meth:`popitem` only and drops nothing but
     refshare's reference: Ray keeps the arguments of tasks already submitted alive.
-    A value larger than the whole budget is not cached.
+    A value larger than the whole budget is not cached. Entries stored in one object
+    (``group``) are evicted together: none of its bytes is freed while one of them is kept.
 
     ``max_bytes=None`` means a quarter of the object store of the node the driver runs on,
     read when the cache is first used in a Ray session. Refs are valid only in the Ray
@@ -55,6 +58,7 @@ class RefCache:
     def __init__(self, max_bytes: int | None = None) -> None:
         self._max_bytes = _check_max_bytes(max_bytes)
         self._entries: OrderedDict[Hashable, CacheEntry] = OrderedDict()
+        self._groups: dict[Hashable, list[Hashable]] = {}  # group -> its entries' keys
         self._nbytes = 0
         self._session: object = None
         self._lock = threading.RLock()
@@ -90,9 +94,10 @@ class RefCache:
         )
 
     def get(self, key: Hashable) -> Any | None:
-        """Return the ref stored for ``key`` and mark it recently used, or ``None``."""
+        """Return the ref of the object holding the content stored for ``key`` and mark
+        it recently used, or ``None``."""
         entry = self.entry(key)
-        return None if entry is None else entry.ref
+        return None if entry is None else entry.ref if entry.group is None else entry.group
 
     def entry(self, key: Hashable) -> CacheEntry | None:
         """The entry stored for ``key``, marked recently used, or ``None``."""
@@ -102,11 +107,14 @@ class RefCache:
                 self._entries.move_to_end(key)
             return entry
 
-    def setdefault(self, key: Hashable, ref: Any, nbytes: int) -> Any:
+    def setdefault(
+        self, key: Hashable, ref: Any, nbytes: int, group: Hashable | None = None
+    ) -> Any:
         """Store ``ref`` for ``key`` unless one is already there; return the stored ref.
 
         When two threads race to fill one key, the second takes the first one's ref, so
-        callers never see two refs for one content.
+        callers never see two refs for one content. ``group`` names the object ``ref``
+        shares with other entries, if any.
         """
         with self._lock:
             entry = self._entries.get(key)
@@ -118,23 +126,32 @@ class RefCache:
                 return ref
             while self._entries and self._nbytes + nbytes > budget:
                 self.popitem()
-            self._entries[key] = CacheEntry(ref, nbytes)
+            self._entries[key] = CacheEntry(ref, nbytes, group)
             self._nbytes += nbytes
+            if group is not None:
+                self._groups.setdefault(group, []).append(key)
             return ref
 
     def popitem(self) -> tuple[Hashable, Any]:
-        """Evict the least recently used entry and return ``(key, ref)``."""
+        """Evict the least recently used entry, and the others of its group; return the
+        first's ``(key, ref)``."""
         with self._lock:
             key, entry = self._entries.popitem(last=False)
             self._nbytes -= entry.nbytes
-        _stats.record_eviction()
-        return key, entry.ref
+            _stats.record_eviction()
+            for other in self._groups.pop(entry.group, ()) if entry.group is not None else ():
+                evicted = self._entries.pop(other, None)
+                if evicted is not None:
+                    self._nbytes -= evicted.nbytes
+                    _stats.record_eviction()
+        return key, entry.ref if entry.group is None else entry.group
 
     def clear(self) -> None:
         """Drop every ref (Ray frees each object once no task or caller still uses it),
         and what was counted of which values repeat."""
         with self._lock:
             self._entries.clear()
+            self._groups.clear()
             self._nbytes = 0
         self.admission.clear()
         self.splitting.clear()

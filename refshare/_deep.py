@@ -2,8 +2,9 @@
 argument travels as a small skeleton that names them.
 
 The argument is pickled with a ``persistent_id`` that takes out each large array or tensor
-(stored and cached by content, as a top-level argument would be) and each object ref or
-actor handle (handed to Ray as they are, so Ray tracks their lifetimes). On the worker,
+(stored and cached by content, as a top-level argument would be; the new ones of one
+argument together, in one object, a :class:`Bundled` each) and each object ref or actor
+handle (handed to Ray as they are, so Ray tracks their lifetimes). On the worker,
 Ray's unpickling of the skeleton runs :func:`refshare._wire.bootstrap.rebuild_skeleton`,
 shipped by value: it fetches the members in one batched get and unpickles the rest around
 them, so the worker's code receives what it receives by value.
@@ -15,7 +16,7 @@ import io
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._dispatch import TypeTable
 from ._hashing import Buffer, BufferHasher
@@ -75,6 +76,20 @@ class Split:
         return hasher.digest()
 
 
+class Bundled(NamedTuple):
+    """Member ``at`` of a bundle: the new members of one argument, stored in one object
+    (one put instead of one each: Ray's put costs per object as well as per byte)."""
+
+    ref: Any
+    at: int
+    nbytes: int  #: what the object store holds for the whole bundle
+
+
+def bundled_key(key: Key) -> Key:
+    """What a member stored in a bundle is cached under; one stored alone is under ``key``."""
+    return key + b"/bundled"
+
+
 class Skeleton:
     """An argument with its large members taken out, stored: what travels instead of it."""
 
@@ -86,14 +101,19 @@ class Skeleton:
         self.buffers = split.buffers
         self.members = refs
         self.handles = split.handles
-        #: What the members weigh: a stored skeleton keeps them alive.
-        self.members_nbytes = split.members_nbytes
+        #: What the members weigh, each bundle whole: a stored skeleton keeps them alive.
+        alone = [
+            m.nbytes for m, r in zip(split.members, refs, strict=True) if type(r) is not Bundled
+        ]
+        bundles = {r.ref: r.nbytes for r in refs if type(r) is Bundled}
+        self.members_nbytes = sum(alone) + sum(bundles.values())
         self.key = split.key(b"skeleton")
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # The small members' buffers travel out of band, as Ray sends them by value: the
         # worker's arrays are then read-only views of Ray's buffers, as by value.
-        parts = (self.native, self.inband, self.members, self.handles, self.buffers)
+        members = [m[:2] if type(m) is Bundled else m for m in self.members]
+        parts = (self.native, self.inband, members, self.handles, self.buffers)
         return bootstrap.rebuild_skeleton, parts
 
 

@@ -17,16 +17,16 @@ from ray import ObjectRef
 from . import _admission, _stats
 from ._admission import Admission, Splitting
 from ._cache import RefCache, scope_budget
-from ._deep import NotSplittable, Skeleton, Split, split
+from ._deep import Bundled, NotSplittable, Skeleton, Split, bundled_key, split
 from ._keys import Key, Keyed, Memo, identify
-from ._keys.pickler import runs_own_pickling
+from ._keys.pickler import learn_pickling, pickles_alike, runs_own_pickling
 from ._keys.sizes import SCALARS, estimate_size, measure
 from ._keys.structure import StampedMemo
 from ._keys.tables import leaf_digests, user_fingerprints
 from ._options import Options
 from ._ray.session import current_session, stored_bytes
 from ._ray.submit import raw_put
-from ._wire.serialized import PickleOnPut, stored_form
+from ._wire.serialized import PickleOnPut, bundle_form, stored_form
 
 logger = logging.getLogger("refshare")
 
@@ -184,20 +184,55 @@ class Scope:
         return result
 
     def store_split(self, found: Split, fallback: Any, inline: bool) -> Any:
-        """Store each member of ``found`` by content, then its skeleton; with ``inline``, a
-        skeleton that is small or holds refs or handles is returned instead, to travel
-        inside the task message, as Ray inlines a small value, or with the task, so that the
-        refs and handles in it live as long as by value."""
-        refs = []
-        for member in found.members:
-            ref = self.store_keyed(member, None)
+        """Store each member of ``found`` by content (several that no scope or cache holds
+        together, in one object), then its skeleton; with ``inline``, a skeleton that is
+        small or holds refs or handles is returned instead, to travel inside the task
+        message, as Ray inlines a small value, or with the task, so that the refs and
+        handles in it live as long as by value."""
+        refs: list[Any] = []
+        new: dict[Key, list[int]] = {}  # members no scope or cache holds: key -> where
+        for index, member in enumerate(found.members):
+            ref = self.lookup(member.key, member.nbytes)
             if ref is None:
-                return fallback  # a member Ray refused: the argument goes by value
+                ref = self.lookup(bundled_key(member.key), member.nbytes)
+            if ref is None:
+                new.setdefault(member.key, []).append(index)
             refs.append(ref)
+        firsts = [found.members[where[0]] for where in new.values()]
+        stored = self.put_bundle(firsts) if len(firsts) > 1 else None
+        if stored is None:
+            stored = [self.store_keyed(member, None) for member in firsts]
+        if any(ref is None for ref in stored):
+            return fallback  # a member Ray refused: the argument goes by value
+        for where, ref in zip(new.values(), stored, strict=True):
+            for index in where:
+                refs[index] = ref
         skeleton = Skeleton(found, refs)
         if inline and (found.nbytes < self.min_bytes or found.handles):
             return skeleton
         return self.store_keyed(Keyed(skeleton.key, skeleton, found.nbytes), fallback)
+
+    def put_bundle(self, members: list[Keyed]) -> list[Any] | None:
+        """Put new ``members`` in one object and keep each one's place in it, or ``None``
+        if they cannot be stored so (each is then stored on its own)."""
+        form = bundle_form([member.stored for member in members])
+        nbytes = sum(member.nbytes for member in members)
+        put = put_stored(form, nbytes) if form is not None else None
+        if put is None:
+            return None
+        ref, weight = put
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("put  %d bytes, %d members in one object", nbytes, len(members))
+        places = []
+        for index, member in enumerate(members):
+            share = weight * member.nbytes // max(nbytes, 1)  # what keeps it alive
+            key, place = bundled_key(member.key), Bundled(ref, index, weight)
+            if self.cache is not None:
+                place = self.cache.setdefault(key, place, share, group=ref)
+            self.retain(share)
+            self.local[key] = place
+            places.append(place)
+        return places
 
     def size_if_large(self, value: Any) -> int | None:
         """The size of ``value`` if it reaches ``min_bytes``, else ``None``."""
@@ -398,28 +433,3 @@ def put_stored(stored: Any, nbytes: int) -> tuple[Any, int] | None:
         return None
     _stats.record_put(nbytes)
     return ref, stored_bytes(ref, nbytes)
-
-
-#: Per class whose values are keyed by their own pickle: whether pickling an unchanged value
-#: twice gave the same bytes. Until one is sent again in a call, it is not known.
-_pickling_alike: dict[type, bool] = {}
-
-
-def pickles_alike(cls: type) -> bool:
-    """Whether an unchanged value of ``cls`` may be sent again as the pickle made of it
-    before: known once one value of ``cls`` was pickled twice (see :meth:`Scope.key`)."""
-    return _pickling_alike.get(cls, False)
-
-
-def learn_pickling(cls: type, alike: bool) -> None:
-    """Record whether pickling an unchanged value of ``cls`` twice gave the same bytes. A
-    class that did not is pickled on every submission, as by value."""
-    if _pickling_alike.get(cls) is not False:
-        if len(_pickling_alike) >= 4096:
-            _pickling_alike.clear()
-        _pickling_alike[cls] = alike
-
-
-def forget_pickling() -> None:
-    """Forget what was learned of which classes pickle alike."""
-    _pickling_alike.clear()

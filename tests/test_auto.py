@@ -35,15 +35,17 @@ def fan_out(workers: list[Any], batch: Any) -> list[Any]:
 default = refshare.shared_args(fan_out)
 
 
-def step(workers: list[Any], seed: float) -> list[tuple[int, int]]:
-    """One RL step: a new batch, then the same batch with one key more, twice."""
+def step(workers: list[Any], seed: float) -> list[tuple[int, int, int]]:
+    """One RL step: a new batch, then the same batch with one key more. Per call: objects
+    put, hits, and members' worth of bytes put."""
     counts = []
     batch = {"input_ids": member(seed), "attention_mask": member(seed + 0.5)}
     for key in ("old_log_probs", "values"):
         before = refshare.stats()
         assert default(workers, batch) == fan_out(workers, batch)
         after = refshare.stats()
-        counts.append((after.puts - before.puts, after.hits - before.hits))
+        members = (after.bytes_put - before.bytes_put) / (MEMBER * 8)
+        counts.append((after.puts - before.puts, after.hits - before.hits, round(members)))
         batch = dict(batch, **{key: member(seed + len(batch))})
     return counts
 
@@ -52,12 +54,13 @@ def test_a_batch_growing_by_keys_is_split_once_its_members_are_sent_again(
     workers: list[Any],
 ) -> None:
     # The first batch is new: stored whole, in one put, found by the second worker. The
-    # grown batch finds its members sent before (in the first batch): split, each put once;
-    # the second worker is sent the same skeleton.
-    assert step(workers, 1.0) == [(1, 1), (3, 0)]
-    # From the next step on, a batch of that kind is split from its first call: each new
-    # tensor is put once, and the grown batch finds its old members and puts only its new one.
-    assert step(workers, 10.0) == [(2, 0), (1, 2)]
+    # grown batch finds its members sent before (in the first batch): split, its three
+    # members put together, in one object; the second worker is sent the same skeleton.
+    assert step(workers, 1.0) == [(1, 1, 2), (1, 0, 3)]
+    # From the next step on, a batch of that kind is split from its first call (its new
+    # members put in one object), and the grown batch finds its old members and puts only
+    # its new one.
+    assert step(workers, 10.0) == [(1, 0, 2), (1, 2, 1)]
 
 
 def test_values_whose_members_never_repeat_are_stored_whole(workers: list[Any]) -> None:
@@ -71,7 +74,7 @@ def test_values_whose_members_never_repeat_are_stored_whole(workers: list[Any]) 
 def test_deep_and_top_level_can_still_be_forced(workers: list[Any]) -> None:
     batch = {"a": member(300.0), "b": member(301.0)}
     refshare.shared_args(deep=True)(fan_out)(workers, batch)
-    assert refshare.stats().puts == 2  # the members, the skeleton small enough to go inline
+    assert refshare.stats().puts == 1  # the members, in one object; the skeleton inline
     refshare.reset_stats()
     refshare.shared_args(deep=False)(fan_out)(workers, dict(batch, c=member(302.0)))
     assert refshare.stats().puts == 1  # the whole batch, though its members were stored
@@ -95,5 +98,6 @@ def test_a_worker_without_refshare_receives_what_by_value_gives() -> None:
     for key in ("old_log_probs", "values", "advantages"):  # whole, then split, then split
         assert refshare.shared_args(send)(batch) == send(batch)
         batch = dict(batch, **{key: member(len(batch))})
-    assert refshare.stats().puts >= 4  # the grown batches went member by member
+    stats = refshare.stats()  # whole; split, its members new; split, three found again
+    assert (stats.puts, stats.hits) == (3, 3), stats
     ray.kill(plain)

@@ -76,7 +76,8 @@ def test_deep_sharing_across_two_nodes(two_nodes: Cluster) -> None:
     assert broadcast(batch) == by_value
     grown = dict(batch, old_log_probs=np.zeros(1 << 17))
     assert broadcast(grown) == ray.get([w.receive.remote(grown) for w in group])
-    assert refshare.stats().puts == 3  # two members, then only the new one
+    stats = refshare.stats()  # two members, in one object, then only the new one
+    assert (stats.puts, stats.bytes_put) == (2, 3 * 8 << 17), stats
     for w in group:
         ray.kill(w)
 

@@ -120,4 +120,6 @@ def test_deep_members_are_stored_again_in_a_new_session(restart: Restart) -> Non
         before = refshare.stats()
         assert deep_fan_out(group, batch) == [summary(batch["a"], batch["b"])] * 2
         after = refshare.stats()
-        assert after.puts - before.puts == 2  # both members, put again in this session
+        # Both members, put again in this session (together, in one object).
+        assert after.puts - before.puts == 1
+        assert after.bytes_put - before.bytes_put == batch["a"].nbytes + batch["b"].nbytes

@@ -269,3 +269,28 @@ def fingerprint(obj: object, memo: Memo | None = None, reuse: bool = False) -> K
     """
     found = identify(obj, memo, reuse)
     return None if found is None else found.key
+
+
+#: Per class whose values are keyed by their own pickle: whether pickling an unchanged value
+#: twice gave the same bytes. Until one is sent again in a call, it is not known.
+_pickling_alike: dict[type, bool] = {}
+
+
+def pickles_alike(cls: type) -> bool:
+    """Whether an unchanged value of ``cls`` may be sent again as the pickle made of it
+    before: known once one value of ``cls`` was pickled twice (see ``Scope.key``)."""
+    return _pickling_alike.get(cls, False)
+
+
+def learn_pickling(cls: type, alike: bool) -> None:
+    """Record whether pickling an unchanged value of ``cls`` twice gave the same bytes. A
+    class that did not is pickled on every submission, as by value."""
+    if _pickling_alike.get(cls) is not False:
+        if len(_pickling_alike) >= 4096:
+            _pickling_alike.clear()
+        _pickling_alike[cls] = alike
+
+
+def forget_pickling() -> None:
+    """Forget what was learned of which classes pickle alike."""
+    _pickling_alike.clear()

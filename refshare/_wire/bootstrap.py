@@ -74,7 +74,11 @@ def rebuild_skeleton(
     native: bytes | None, inband: bytes, refs: list[Any], handles: list[Any], buffers: list[Any]
 ) -> Any:
     """A deep-shared argument: every member fetched in one batched get, then the rest
-    unpickled around them, as by value would unpickle the whole."""
+    unpickled around them, as by value would unpickle the whole.
+
+    A member is a ref, or ``(ref, index)``: the ``index``-th of several members stored in
+    one object, each as its pickle and buffers (see ``refshare._wire.serialized``), of
+    which only those named here are unpickled."""
     import ray
     from ray._private import worker
 
@@ -84,11 +88,20 @@ def rebuild_skeleton(
     if warned is not None:
         worker.blocking_get_inside_async_warned = True
     try:
-        members = list(ray.get(list(refs)))
+        got = ray.get([ref[0] if type(ref) is tuple else ref for ref in refs])
     finally:
         if warned is not None:
             worker.blocking_get_inside_async_warned = warned
+    members = [
+        _unbundled(*value[ref[1]]) if type(ref) is tuple else value
+        for ref, value in zip(refs, got, strict=True)
+    ]
     return _around(native, _SkeletonUnpickler(inband, members, handles, buffers).load())
+
+
+def _unbundled(inband: Any, buffers: list[Any]) -> Any:
+    """One member of a bundle, as Ray's unpickling of it alone would give it."""
+    return pickle.loads(inband, buffers=buffers)
 
 
 def _as_unpickled(td: Any) -> Any:

@@ -222,6 +222,29 @@ class PickleOnPut:
         self.value = value
 
 
+def bundle_form(members: list[Any]) -> tuple[Any, ...] | None:
+    """Several members of a deep-shared argument as one object to store: each pickled as
+    Ray would pickle it alone (its tensors as their bytes), as its in-band pickle and its
+    out-of-band buffers, so that a worker unpickles only the members its skeleton names
+    (see ``bootstrap.rebuild_skeleton``). ``None`` where one cannot be pickled so."""
+    if not available():
+        return None
+    parts = []
+    for stored in members:
+        pickled = stored if isinstance(stored, Serialized) else None
+        try:
+            if pickled is None:
+                value = stored.value if isinstance(stored, PickleOnPut) else stored
+                pickled = serialize(value, keyed=False)
+        except Exception:
+            logger.debug("cannot bundle %s", type(stored).__qualname__, exc_info=True)
+            return None
+        if pickled.native is not None:
+            return None  # (a member is an array or a tensor: never a dict or a list)
+        parts.append((pickle.PickleBuffer(pickled.inband), pickled.buffers))
+    return tuple(parts)
+
+
 def stored_form(stored: Any) -> Any:
     """What ``ray.put`` stores for ``stored``: a plain CPU tensor as its storage's bytes, an
     array of strings joined, a value holding tensors as refshare's own pickle of it,
