@@ -165,18 +165,23 @@ def test_a_converted_batch_and_its_chunks_arrive_as_by_value(
         assert shared == by_value
 
 
-def test_the_same_chunks_sent_by_two_groups_are_put_once(mirror: Any) -> None:
-    @refshare.shared_args(min_bytes=0)
+@pytest.mark.parametrize("deep", [False, None])
+def test_the_same_chunks_sent_by_two_groups_are_put_once(mirror: Any, deep: bool | None) -> None:
+    @refshare.shared_args(min_bytes=0, deep=deep)
     def group_call(chunks: list[Any]) -> list[Any]:
         refs = [ray.put(c) for c in chunks]  # parallel_put, then execute_all_async
         return ray.get([received.remote(r) for r in refs])
 
     first = group_call(mirror.chunk_batch(converted(mirror), 2))  # one group
+    stored = refshare.stats().puts
     # another group, the same batch converted again (a chunking of its own)
     second = group_call(mirror.chunk_batch(converted(mirror), 2))
-    assert first == second
+    by_value = ray.get([received.remote(c) for c in mirror.chunk_batch(converted(mirror), 2)])
+    assert first == second == by_value
     stats = refshare.stats()
-    assert (stats.puts, stats.hits) == (2, 2), stats
+    assert stats.puts == stored and stats.hits >= 2, stats  # the second group stores nothing
+    if deep is False:
+        assert (stats.puts, stats.hits) == (2, 2), stats  # each chunk whole, once
 
 
 def test_deep_sharing_stores_each_leaf_of_a_chunk_once_per_step(mirror: Any) -> None:
