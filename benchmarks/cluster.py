@@ -16,12 +16,13 @@ Each sent as:
 
 * **by value**: plain Ray (it stores each argument once per ``.remote()``);
 * **per-call put**: ``r = ray.put(x)`` (each chunk for the batch), then ``r``, every call;
-* **refshare first sight**: ``@refshare.shared_args``, cache emptied (``refshare.clear()``)
-  before the call (for the batch: before the step, so its repeated last call hits);
+* **refshare first sight**: top-level sharing, ``@refshare.shared_args(deep=False)``, cache
+  emptied (``refshare.clear()``) before the call (for the batch: before the step, so its
+  repeated last call hits);
 * **refshare repeat**: the same call (the whole step for the batch) made once before, so the
   cache is warm;
 * **deep** (batch only): ``@refshare.shared_args(deep=True)``, cache emptied before the step:
-  each large member of a chunk is stored on its own (a single array has no members).
+  each large member of a chunk is stored once (a single array has no members).
 
 Measured per call: the bytes copied between nodes (the growth of each raylet's
 ``cumulative_created_bytes`` on every node but the driver's, see ``_cluster_counters.py``),
@@ -50,7 +51,8 @@ import numpy as np
 import ray
 import xxhash
 from _harness import options, report
-from _harness.cluster import Setup, held, reset, start_cluster, stop_cluster
+from _harness.cluster import Setup, held, start_cluster, stop_cluster
+from _harness.cluster import reset as reset_stores
 from _harness.report import KiB, MiB, log, ms
 from _harness.stats import rotated
 
@@ -134,8 +136,10 @@ def fan_out(workers: Sequence[Any], values: Sequence[Any], hold_s: float, full: 
     )
 
 
-shared_fan_out = refshare.shared_args(min_bytes=MIN_BYTES)(fan_out)
-deep_fan_out = refshare.shared_args(min_bytes=MIN_BYTES, deep=True)(fan_out)
+shared_fan_out = refshare.shared_args(min_bytes=MIN_BYTES, deep=False)(fan_out)
+#: Deep sharing's cache, of its own: what it holds is what the deep turn stored.
+DEEP_CACHE = refshare.RefCache()
+deep_fan_out = refshare.shared_args(min_bytes=MIN_BYTES, deep=True, cache=DEEP_CACHE)(fan_out)
 
 
 # -- one call, measured ---------------------------------------------------------------------------
@@ -195,12 +199,23 @@ Peak = dict[str, int] | None
 Steps = dict[str, Record]
 
 
+def reset(setup: Setup) -> None:
+    """Drop what the last turn kept, deep sharing's cache too; wait for idle stores."""
+    DEEP_CACHE.clear()
+    reset_stores(setup)
+
+
 def shared_refs(values: Sequence[Any], deep: bool) -> list[Any]:
-    """The refs refshare sent for ``values`` (or for each large member, with ``deep``),
-    found in its cache by content: ``refshare.share`` of what is cached puts nothing."""
+    """The refs refshare sent for ``values``: found in its cache by content
+    (``refshare.share`` of what is cached puts nothing); with ``deep``, every object deep
+    sharing's own cache holds, emptied before each turn (its members, stored together)."""
+    if deep:
+        refs = list(dict.fromkeys(DEEP_CACHE.get(key) for key in DEEP_CACHE))
+        if not refs:
+            raise RuntimeError("deep sharing stored nothing")
+        return refs
     puts = refshare.stats().puts
-    members = [m for v in values for m in (v.values() if deep else (v,))]
-    refs = [refshare.share(m) for m in members if refshare.estimate_size(m) >= MIN_BYTES]
+    refs = [refshare.share(v) for v in values if refshare.estimate_size(v) >= MIN_BYTES]
     if refshare.stats().puts != puts:
         raise RuntimeError("a value refshare sent was not in its cache")
     return refs

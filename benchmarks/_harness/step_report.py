@@ -139,8 +139,8 @@ def step_report(
         "the goals give the worst call's 95% bootstrap interval, how far its ratio could move "
         "by noise alone. "
         f"1-min load average after each step {min(load)}{DASH}{max(load)} (median "
-        f"{median(load)}; the run itself keeps the driver, 4 workers and Ray's daemons busy on "
-        "2 cores).",
+        f"{median(load)}; the run itself keeps the driver, the workers and Ray's daemons busy "
+        "on 2 cores).",
         "",
         *table(
             ["strategy", "MiB stored per step", "÷ distinct", "÷ plain", "puts / hits / by value"],

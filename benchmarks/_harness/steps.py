@@ -54,9 +54,9 @@ class Sharing:
     targets are only checked (wrapped while on, the originals back after); without, with
     ``patch_methods`` / ``unpatch_methods`` on the targets. Switch between turns only.
 
-    The ``auto`` strategy gets a ``RefCache`` of its own, kept from turn to turn: with the
-    same options as ``refshare``, it would otherwise find what the refshare turn of the same
-    step stored, and the two would count each other's misses.
+    Each strategy gets a ``RefCache`` of its own, kept from turn to turn: sharing one,
+    a strategy would find what another's turn of the same step stored (equal content is
+    keyed alike in every mode), and they would count each other's misses.
     """
 
     def __init__(self, targets: Sequence[tuple[Any, Sequence[str]]], framework: str = "") -> None:
@@ -71,7 +71,7 @@ class Sharing:
             if framework
             else f"refshare.patch_methods(..., deep=...) on {where}, then unpatch_methods"
         )
-        self.auto_cache: Any = None
+        self.caches: dict[str, Any] = {}
 
     def _wrapped(self) -> list[str]:
         return [f"{_name(o)}.{n}" for (o, n), f in self.originals.items() if o.__dict__[n] is not f]
@@ -83,10 +83,8 @@ class Sharing:
                 raise RuntimeError(f"plain turn, but still wrapped: {self._wrapped()}")
             yield
             return
-        options = OPTIONS[strategy]
-        if strategy == AUTO:
-            self.auto_cache = self.auto_cache or self.refshare.RefCache()
-            options = {"cache": self.auto_cache, **options}
+        cache = self.caches.setdefault(strategy, self.refshare.RefCache())
+        options = {"cache": cache, **OPTIONS[strategy]}
         if self.framework:
             self.refshare.enable(self.framework, **options)
         for owner, names in () if self.framework else self.targets:
