@@ -1,7 +1,7 @@
 """The RL-step replays (verl-shaped: both dispatch paths and the legacy trainer's TensorDicts;
-NeMo-RL-shaped) and the type table run end to end in their smallest mode, on their mirrors, and
-every worker receives the same checksums under every strategy (the scripts exit non-zero
-otherwise). Timings are never checked."""
+NeMo-RL-, ROLL- and SkyRL-shaped) and the type table run end to end in their smallest mode,
+on their mirrors, and every worker receives the same checksums under every strategy (the
+scripts exit non-zero otherwise). Timings are never checked."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ CASES = {
         "rl_step_tensordict",
     ),
     "nemo_step": (["nemo_step.py", "--smoke"], "nemo_step"),
+    "roll_step": (["roll_step.py", "--smoke"], "roll_step"),
+    "skyrl_step": (["skyrl_step.py", "--smoke"], "skyrl_step"),
     "types": (["types.py", "--smoke"], "types"),
 }
 
