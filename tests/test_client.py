@@ -1,5 +1,5 @@
 """Ray Client (``ray://``): refshare says once that it does not share there, and every call
-goes by value, unchanged. Needs Ray Client's gRPC (``ray[default]``: ``.ci/run`` adds it).
+goes by value, unchanged. Needs gRPC (``grpcio``, in the test extra).
 
 A driver in a subprocess connects with ``ray.init("ray://...")`` to a client server that
 this process serves on top of the suite's Ray, as a user's laptop connects to a cluster.
@@ -7,6 +7,7 @@ this process serves on top of the suite's Ray, as a user's laptop connects to a 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import socket
@@ -74,7 +75,10 @@ def client_address() -> Iterator[str]:
     def connect(job_config: Any = None, **kwargs: Any) -> None:
         return None  # the suite's Ray is already connected in this process
 
-    server = client_server.serve("127.0.0.1", port, ray_connect_handler=connect)
+    if "port" in inspect.signature(client_server.serve).parameters:
+        server = client_server.serve("127.0.0.1", port, ray_connect_handler=connect)
+    else:  # Ray before 2.44 takes one "host:port"
+        server = client_server.serve(f"127.0.0.1:{port}", ray_connect_handler=connect)
     try:
         yield f"ray://127.0.0.1:{port}"
     finally:
