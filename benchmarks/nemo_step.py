@@ -34,7 +34,7 @@ import numpy as np
 import ray
 import torch
 import xxhash
-from _harness import options, session, steps
+from _harness import session, steps
 from _harness.report import TIMES, MiB
 from _harness.step_report import goals, setup_lines, step_report
 from _harness.steps import Turn
@@ -216,14 +216,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = options.step_parser(__doc__ or "").parse_args(argv)
-    config = options.step_config(args, MODES)
-
-    def measure() -> dict[str, Any]:
-        return {"result": run(config)}
-
-    results = steps.run_replay("nemo_step.py", config, measure, report, args.out, "nemo_step")
-    return 0 if all(results["result"]["checksums_same_every_step"]) else 1
+    return steps.replay_main("nemo_step.py", __doc__ or "", MODES, run, report, argv)
 
 
 if __name__ == "__main__":

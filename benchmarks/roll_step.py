@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from _harness import options, session, steps
+from _harness import session, steps
 from _harness.report import TIMES, MiB
 from _harness.step_report import goals, setup_lines, step_report
 from _harness.steps import Turn
@@ -291,14 +291,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = options.step_parser(__doc__ or "").parse_args(argv)
-    config = options.step_config(args, MODES)
-
-    def measure() -> dict[str, Any]:
-        return {"result": run(config)}
-
-    results = steps.run_replay("roll_step.py", config, measure, report, args.out, "roll_step")
-    return 0 if all(results["result"]["checksums_same_every_step"]) else 1
+    return steps.replay_main("roll_step.py", __doc__ or "", MODES, run, report, argv)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from _harness import options, session, steps
+from _harness import session, steps
 from _harness.report import MiB
 from _harness.step_report import goals, setup_lines, step_report
 from _harness.steps import Turn
@@ -375,14 +375,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = options.step_parser(__doc__ or "").parse_args(argv)
-    config = options.step_config(args, MODES)
-
-    def measure() -> dict[str, Any]:
-        return {"result": run(config)}
-
-    results = steps.run_replay("skyrl_step.py", config, measure, report, args.out, "skyrl_step")
-    return 0 if all(results["result"]["checksums_same_every_step"]) else 1
+    return steps.replay_main("skyrl_step.py", __doc__ or "", MODES, run, report, argv)
 
 
 if __name__ == "__main__":

@@ -35,24 +35,24 @@ def goals(summary: dict[str, Any], broadcast_hit: bool | None) -> list[tuple[str
     worst = {s: max(r[s][c] for c in calls) for s in ("refshare", "deep")}
     top, deep, distinct = stored["refshare"], stored["deep"], summary["distinct_bytes"]
     out = [
-        (f"refshare: no call above 1.05{TIMES} plain ({worst_call(summary, 'refshare')})",
+        (f"top-level: no call above 1.05{TIMES} plain ({worst_call(summary, 'refshare')})",
          worst["refshare"] <= 1.05),
-        (f"refshare: whole step {TIMES_LE} 1.0{TIMES} plain ({r['refshare']['step']:.2f})",
+        (f"top-level: whole step {TIMES_LE} 1.0{TIMES} plain ({r['refshare']['step']:.2f})",
          r["refshare"]["step"] <= 1.0),
     ]  # fmt: skip
     if broadcast_hit is not None:
-        out.append(("refshare: the repeated broadcast hit the cache in every step", broadcast_hit))
+        out.append(("top-level: the repeated broadcast hit the cache in every step", broadcast_hit))
     if AUTO in r:
         out += auto_goals(summary)
     return [
         *out,
         (f"deep: stored per step {TIMES_LE} 1.15{TIMES} distinct ({deep / distinct:.2f})",
          deep <= 1.15 * distinct),
-        (f"deep: at least 2{TIMES} fewer bytes than refshare ({top / max(deep, 1):.2f}{TIMES})",
+        (f"deep: at least 2{TIMES} fewer bytes than top-level ({top / max(deep, 1):.2f}{TIMES})",
          top >= 2 * deep),
         (f"deep: whole step {TIMES_LE} 0.6{TIMES} plain ({r['deep']['step']:.2f})",
          r["deep"]["step"] <= 0.6),
-        (f"deep: whole step below refshare's ({r['deep']['step']:.2f} vs "
+        (f"deep: whole step below top-level's ({r['deep']['step']:.2f} vs "
          f"{r['refshare']['step']:.2f} of plain)", r["deep"]["step"] < r["refshare"]["step"]),
         (f"deep: no call above 1.05{TIMES} plain ({worst_call(summary, 'deep')})",
          worst["deep"] <= 1.05),
@@ -121,8 +121,9 @@ def step_report(
     for s in storing:
         c, every = counts[s]["step"], summary["stored_per_step"][s]
         spread = f" ({min(every) / MiB:.1f}{DASH}{max(every) / MiB:.1f})"
+        steady = max(every) - min(every) < MiB / 20
         brows.append([
-            s, f"{stored[s] / MiB:.1f}" + ("" if max(every) - min(every) < MiB / 20 else spread),
+            LABELS[s], f"{stored[s] / MiB:.1f}" + ("" if steady else spread),
             f"{stored[s] / distinct:.2f}", f"{stored[s] / stored['plain']:.2f}",
             "" if s == "plain" else f"{c['puts']} / {c['hits']} / {c['by_value']}",
         ])  # fmt: skip
@@ -150,7 +151,7 @@ def step_report(
         f"Distinct bytes the step sends (each distinct tensor's elements once): "
         f"{distinct / MiB:.1f} MiB. Stored: plain, what Ray stores by value plus the "
         "framework's own puts (each argument's `pickle.dumps(..., protocol=5)` size, once per "
-        "`.remote()` or put); refshare and deep, the `refshare.stats().bytes_put` of the step. "
+        "`.remote()` or put); the others, the `refshare.stats().bytes_put` of the step. "
         "puts / hits / by value: refshare's counts in the last timed step.",
         "",
         "MiB stored per call (medians):",

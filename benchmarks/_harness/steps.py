@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from _harness import report, session
+from _harness import options, report, session
 from _harness.report import REPO, MiB, log, ms
 from _harness.stats import median, quartiles, ratio_interval, rotated
 
@@ -286,3 +286,20 @@ def run_replay(
     report.write_results(out, stem, results, markdown(results))
     print((out / f"{stem}.md").read_text())
     return results
+
+
+def replay_main(
+    script: str,
+    doc: str,
+    modes: dict[str, Any],
+    run: Callable[[Any], dict[str, Any]],
+    markdown: Callable[[dict[str, Any]], str],
+    argv: Sequence[str] | None,
+) -> int:
+    """The command line of a replay of one flow: ``run`` it in the mode asked for, write its
+    report; 1 if a worker received other data under any strategy."""
+    args = options.step_parser(doc).parse_args(argv)
+    config = options.step_config(args, modes)
+    stem = Path(script).stem
+    results = run_replay(script, config, lambda: {"result": run(config)}, markdown, args.out, stem)
+    return 0 if all(results["result"]["checksums_same_every_step"]) else 1
