@@ -114,7 +114,8 @@ class RefCache:
 
         When two threads race to fill one key, the second takes the first one's ref, so
         callers never see two refs for one content. ``group`` names the object ``ref``
-        shares with other entries, if any.
+        shares with other entries, if any: a group is kept whole or not at all, so making
+        room never evicts a part of the group being filled while keeping the rest.
         """
         with self._lock:
             entry = self._entries.get(key)
@@ -125,7 +126,9 @@ class RefCache:
             if nbytes > budget:
                 return ref
             while self._entries and self._nbytes + nbytes > budget:
-                self.popitem()
+                _, evicted = self.popitem()
+                if group is not None and evicted is group:
+                    return ref  # its group cannot fit whole: none of it is kept
             self._entries[key] = CacheEntry(ref, nbytes, group)
             self._nbytes += nbytes
             if group is not None:

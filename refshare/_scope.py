@@ -223,12 +223,13 @@ class Scope:
         ref, weight = put
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("put  %d bytes, %d members in one object", nbytes, len(members))
-        places = []
+        places, cache = [], self.cache
         for index, member in enumerate(members):
             share = weight * member.nbytes // max(nbytes, 1)  # what keeps it alive
             key, place = bundled_key(member.key), Bundled(ref, index, weight)
-            if self.cache is not None:
-                place = self.cache.setdefault(key, place, share, group=ref)
+            if cache is not None:
+                place = cache.setdefault(key, place, share, group=ref)
+                cache = cache if key in cache else None  # cached whole or not at all
             self.retain(share)
             self.local[key] = place
             places.append(place)

@@ -23,6 +23,21 @@ def test_lru_within_a_byte_budget() -> None:
     assert repr(cache) == "RefCache(maxsize=100, currsize=80, len=2)"
 
 
+def test_entries_stored_in_one_object_are_kept_and_evicted_together() -> None:
+    cache = RefCache(max_bytes=100)
+    cache.setdefault("a", "part-a", 30, group="bundle")
+    cache.setdefault("b", "part-b", 30, group="bundle")
+    assert cache.get("a") == cache.get("b") == "bundle"  # the ref of the object holding them
+    before = refshare.stats().evictions
+    cache.setdefault("c", "ref-c", 50)  # a is least recent: b goes with it
+    assert list(cache) == ["c"] and cache.nbytes == 50
+    assert refshare.stats().evictions == before + 2
+    # Making room for a group's second part would evict its first: none of it is kept.
+    cache.setdefault("p", "part-p", 40, group="other")
+    assert cache.setdefault("q", "part-q", 70, group="other") == "part-q"
+    assert "p" not in cache and "q" not in cache and cache.nbytes == 0
+
+
 def test_a_value_larger_than_the_budget_is_not_cached() -> None:
     cache = RefCache(max_bytes=100)
     cache.setdefault("small", "ref", 10)
