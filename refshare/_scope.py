@@ -8,6 +8,7 @@ the cache, or put in its stored form (see ``refshare._wire``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -192,16 +193,11 @@ class Scope:
         refs: list[Any] = []
         new: dict[Key, list[int]] = {}  # members no scope or cache holds: key -> where
         for index, member in enumerate(found.members):
-            ref = self.lookup(member.key, member.nbytes)
-            if ref is None:
-                ref = self.lookup(bundled_key(member.key), member.nbytes)
+            ref = self.lookup_member(member)
             if ref is None:
                 new.setdefault(member.key, []).append(index)
             refs.append(ref)
-        firsts = [found.members[where[0]] for where in new.values()]
-        stored = self.put_bundle(firsts) if len(firsts) > 1 else None
-        if stored is None:
-            stored = [self.store_keyed(member, None) for member in firsts]
+        stored = self.store_new([found.members[where[0]] for where in new.values()])
         if any(ref is None for ref in stored):
             return fallback  # a member Ray refused: the argument goes by value
         for where, ref in zip(new.values(), stored, strict=True):
@@ -211,6 +207,24 @@ class Scope:
         if inline and (found.nbytes < self.min_bytes or found.handles):
             return skeleton
         return self.store_keyed(Keyed(skeleton.key, skeleton, found.nbytes), fallback)
+
+    def store_new(self, members: list[Keyed]) -> list[Any]:
+        """Store ``members`` that no scope or cache held: several in one object. As in
+        :meth:`store_keyed`, threads that miss one key at once wait for one put (their
+        locks taken in key order, so two bundles never wait on each other)."""
+        with contextlib.ExitStack() as held:
+            for key in sorted(member.key for member in members):
+                held.enter_context(self.pending.setdefault(key, threading.Lock()))
+            refs = [self.lookup_member(member) for member in members]
+            missing = [m for m, r in zip(members, refs, strict=True) if r is None]
+            stored = self.put_bundle(missing) if len(missing) > 1 else None
+            fresh = iter(stored or [self.put(member, None) for member in missing])
+            return [next(fresh) if r is None else r for r in refs]
+
+    def lookup_member(self, member: Keyed) -> Any:
+        """The ref of ``member``, stored alone or in a bundle (a hit), or ``None``."""
+        ref = self.lookup(member.key, member.nbytes)
+        return self.lookup(bundled_key(member.key), member.nbytes) if ref is None else ref
 
     def put_bundle(self, members: list[Keyed]) -> list[Any] | None:
         """Put new ``members`` in one object and keep each one's place in it, or ``None``

@@ -132,3 +132,31 @@ def test_an_async_actor_fanning_out_concurrently(group: list[Any]) -> None:
     ray.kill(actor)
     assert puts + hits == 16 * 3 * 2
     assert puts <= 16 + 16  # own arrays once; the common one at most once per call
+
+
+def test_a_pool_putting_chunks_that_share_a_member_stores_it_once(group: list[Any]) -> None:
+    """verl's parallel_put: chunks put from a thread pool at once, each with new members and
+    one content they all share (an all-ones mask). Split into members, the shared one is
+    stored once, however the threads interleave, and each chunk arrives as by value."""
+    common = marked(2, SHARED)
+    start = threading.Barrier(4)
+
+    @refshare.shared_args(deep=True)
+    def parallel_put(chunks: list[dict[str, Any]]) -> list[Any]:
+        def put(chunk: dict[str, Any]) -> Any:
+            start.wait(timeout=30)
+            return ray.put(chunk)
+
+        with ThreadPoolExecutor(4) as pool:
+            return list(pool.map(put, chunks))
+
+    for step in range(3):
+        chunks = [{"own": marked(10 * step + i, SHARED), "mask": common} for i in range(4)]
+        refshare.clear()
+        refshare.reset_stats()
+        refs = parallel_put(chunks)
+        stats = refshare.stats()
+        # four own members and the mask once, in one or more objects; four skeletons
+        assert stats.bytes_put < 5 * SHARED + 4 * 64 * 1024, (step, stats)
+        received = [summary(c["own"], c["mask"]) for c in ray.get(refs)]
+        assert received == [summary(c["own"], c["mask"]) for c in chunks]
