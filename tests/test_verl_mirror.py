@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
+import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,16 +75,18 @@ def storage_keys(blob: bytes) -> list[str]:
     return keys
 
 
-def normalized(value: Any) -> bytes:
-    """``pickle.dumps(value)`` with every torch.save storage key replaced by its index."""
-    data = pickle.dumps(value)
-    for _, arg, _ in pickletools.genops(data):
+def normalized(value: Any) -> list[tuple[str, Any]]:
+    """The opcodes and arguments of ``pickle.dumps(value)``, with every torch.save storage
+    key replaced by its index (keys are addresses, not always of one length)."""
+    ops = []
+    for op, arg, _ in pickletools.genops(pickle.dumps(value)):
         if isinstance(arg, bytes) and arg.startswith(b"\x80") and len(arg) > 64:
-            blob = arg
             for i, key in enumerate(storage_keys(arg)):
-                blob = blob.replace(key.encode(), f"{i:0{len(key)}d}".encode())
-            data = data.replace(arg, blob)
-    return data
+                text = key.encode()
+                for pickled in (b"X" + struct.pack("<I", len(text)), b"\x8c" + bytes([len(text)])):
+                    arg = arg.replace(pickled + text, f"<storage {i}>".encode())
+        ops.append((op.name, arg))
+    return ops
 
 
 def test_normalizing_keeps_what_differs() -> None:
