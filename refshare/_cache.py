@@ -36,6 +36,11 @@ class CacheEntry(NamedTuple):
     #: The object it is stored in with other entries (deep sharing's bundles), or ``None``.
     group: Hashable | None = None
 
+    @property
+    def holder(self) -> Any:
+        """The ref of the object that holds this entry's content."""
+        return self.ref if self.group is None else self.group
+
 
 class RefCache:
     """A least-recently-used map from fingerprint to ``ray.ObjectRef``, bounded in bytes.
@@ -97,7 +102,7 @@ class RefCache:
         """Return the ref of the object holding the content stored for ``key`` and mark
         it recently used, or ``None``."""
         entry = self.entry(key)
-        return None if entry is None else entry.ref if entry.group is None else entry.group
+        return None if entry is None else entry.holder
 
     def entry(self, key: Hashable) -> CacheEntry | None:
         """The entry stored for ``key``, marked recently used, or ``None``."""
@@ -142,12 +147,12 @@ class RefCache:
             key, entry = self._entries.popitem(last=False)
             self._nbytes -= entry.nbytes
             _stats.record_eviction()
-            for other in self._groups.pop(entry.group, ()) if entry.group is not None else ():
+            for other in self._groups.pop(entry.group, ()):  # no group: none
                 evicted = self._entries.pop(other, None)
                 if evicted is not None:
                     self._nbytes -= evicted.nbytes
                     _stats.record_eviction()
-        return key, entry.ref if entry.group is None else entry.group
+        return key, entry.holder
 
     def clear(self) -> None:
         """Drop every ref (Ray frees each object once no task or caller still uses it),

@@ -60,10 +60,6 @@ class Split:
         raws = sum(buffer.raw().nbytes for buffer in self.buffers)
         return len(self.native or b"") + len(self.inband) + raws
 
-    @property
-    def members_nbytes(self) -> int:
-        return sum(member.nbytes for member in self.members)
-
     def key(self, tag: bytes) -> Key:
         """A key of the argument's content: its skeleton's bytes and its members' keys.
         ``tag`` tells apart what is stored under it: the skeleton, or the argument whole."""
