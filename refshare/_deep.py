@@ -21,11 +21,11 @@ from typing import Any, NamedTuple
 from ._dispatch import TypeTable
 from ._hashing import Buffer, BufferHasher
 from ._keys.leaves import tensor_digest
-from ._keys.pickler import TRUSTED_PICKLING as TRUSTED
 from ._keys.pickler import runs_own_pickling
 from ._keys.sizes import estimate_size
 from ._keys.tables import Key, Keyed, leaf_digests
 from ._ray.pickling import ship_by_value
+from ._rules import pickles_as, pickling_epoch
 from ._wire import bootstrap
 from ._wire.serialized import native_split, pickler_classes, ray_handle_types
 
@@ -35,8 +35,10 @@ _INLINE = frozenset((str, bytearray, memoryview))
 #: Keys a member, or returns ``None`` to leave it inline.
 KeyFn = Callable[[Any, int], "Keyed | None"]
 #: Types whose pickling hides their members from ``persistent_id`` (verl's ``DataProto``
-#: ``torch.save``s its batch), each with a reduction that shows them.
-deep_reducers: TypeTable[Callable[[Any], Any]] = TypeTable()
+#: ``torch.save``s its batch), each with a reduction that shows them, or ``NotImplemented``
+#: where the worker's rebuild would not reproduce the value exactly (it is stored whole).
+#: A subclass is reduced so only if it pickles as the registered class (``refshare._rules``).
+deep_reducers: TypeTable[Callable[[Any], Any]] = TypeTable(pickles_as, pickling_epoch)
 
 
 @dataclass
@@ -168,8 +170,10 @@ class _Splitter:
         cls = type(obj)
         reduce = deep_reducers.lookup(cls)
         if reduce is not None:
-            return reduce(obj)
-        if self.strict and (runs_own_pickling(cls) or _custom_reducer(cls)):
+            reduced = reduce(obj)
+            if reduced is not NotImplemented:
+                return reduced
+        if self.strict and runs_own_pickling(cls):
             raise NotSplittable(cls.__qualname__)
         return None
 
@@ -195,14 +199,6 @@ class _Splitter:
         if not self.members:
             return None
         return Split(native, stream.getvalue(), buffers, self.members, self.handles, self.tensors)
-
-
-def _custom_reducer(cls: type) -> bool:
-    """Whether a serializer the program registered with Ray pickles ``cls``."""
-    from ray import cloudpickle
-
-    module = getattr(cls, "__module__", "") or ""
-    return cls in cloudpickle.CloudPickler.dispatch and module.partition(".")[0] not in TRUSTED
 
 
 def split(value: Any, key: KeyFn, min_bytes: int, strict: bool = False) -> Split | None:

@@ -10,15 +10,29 @@ V = TypeVar("V")
 F = TypeVar("F")
 
 
+#: Whether an entry registered for a class (the second) applies to a class (the first).
+Applies = Callable[[type, type], bool]
+
+
 class TypeTable(Generic[V]):
     """Values keyed by class: looked up along the MRO, or for the exact class only.
 
     An entry for a class of another package (numpy, torch, a framework) is registered by
     module and name with :meth:`register_lazy`, and filled in once that module is imported
     by the program: refshare never imports a package the user's own code has not.
+
+    ``applies`` restricts what :meth:`lookup` finds: an entry registered for a class
+    applies to a class only where ``applies(cls, registered)`` holds (the tables of readers
+    use ``refshare._rules.pickles_as``); what was found is worked out again whenever
+    ``epoch()`` changes.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, applies: Applies | None = None, epoch: Callable[[], object] | None = None
+    ) -> None:
+        self._applies = applies
+        self._epoch = epoch
+        self._at: object = None
         self._entries: dict[type, V] = {}
         self._resolved: dict[type, V | None] = {}
         #: Classes resolved for good: no entry waiting for a module could apply to them.
@@ -92,7 +106,14 @@ class TypeTable(Generic[V]):
         return found
 
     def lookup(self, cls: type) -> V | None:
-        """The value for ``cls`` or its nearest registered base class, cached per class."""
+        """The value for ``cls`` or its nearest registered base class (where it applies),
+        cached per class."""
+        if self._epoch is not None:
+            at = self._epoch()
+            if at != self._at:
+                self._at = at
+                self._resolved.clear()
+                self._settled.clear()
         if cls in self._settled:
             return self._resolved[cls]
         found = self._resolved.get(cls)
@@ -100,7 +121,10 @@ class TypeTable(Generic[V]):
             return found
         for base in cls.__mro__:
             self._load(base)
-        found = next((self._entries[b] for b in cls.__mro__ if b in self._entries), None)
+        owner = next((b for b in cls.__mro__ if b in self._entries), None)
+        found = None if owner is None else self._entries[owner]
+        if owner is not None and self._applies is not None and not self._applies(cls, owner):
+            found = None
         self._resolved[cls] = found
         if found is not None or not self._waiting(cls):
             self._settled.add(cls)

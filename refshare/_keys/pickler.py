@@ -19,6 +19,7 @@ import xxhash
 
 from .._hashing import SEED, BufferHasher, tagged
 from .._ray.pickling import sent_by_value
+from .._rules import dispatch_entry, package_of, pickling_epoch, reducer_package
 from .._wire import serialized
 from .._wire.arrays import memory_order
 from .leaves import Unfingerprintable, ndarray_head, tensor_digest, tensor_state
@@ -57,14 +58,23 @@ TRUSTED_PICKLING = frozenset(
     }
 )  # fmt: skip
 _own_pickling: dict[type, bool] = {}
+_own_pickling_epoch: list[object] = [None]
 
 
 def runs_own_pickling(cls: type) -> bool:
-    """Whether pickling ``cls`` runs code from outside :data:`TRUSTED_PICKLING`: a
-    ``__reduce__``, ``__reduce_ex__`` or ``__getstate__`` that may serialize on its own."""
+    """Whether pickling ``cls`` runs code from outside :data:`TRUSTED_PICKLING`: a reducer
+    registered for it (with ``copyreg`` or Ray's ``register_serializer``), or a
+    ``__reduce_ex__``, ``__reduce__`` or ``__getstate__`` that may serialize on its own."""
+    epoch = pickling_epoch()
+    if epoch != _own_pickling_epoch[0]:
+        _own_pickling.clear()
+        _own_pickling_epoch[0] = epoch
     found = _own_pickling.get(cls)
     if found is None:
-        found = _own_pickling[cls] = any(
+        entry = dispatch_entry(cls)
+        found = _own_pickling[cls] = (
+            entry is not None and reducer_package(entry) not in TRUSTED_PICKLING
+        ) or any(
             _defined_outside_trusted(cls, name)
             for name in ("__reduce_ex__", "__reduce__", "__getstate__")
         )
@@ -76,8 +86,7 @@ def _defined_outside_trusted(cls: type, name: str) -> bool:
         if name in base.__dict__:
             if base is object:
                 return False
-            module = getattr(base.__dict__[name], "__module__", None) or base.__module__
-            return str(module).partition(".")[0] not in TRUSTED_PICKLING
+            return (package_of(base.__dict__[name]) or package_of(base)) not in TRUSTED_PICKLING
     return False
 
 
@@ -164,7 +173,9 @@ class _FingerprintPickler(pickle.Pickler):
         if known is None:
             known = builtin_fingerprints.lookup(cls)
         if known is not None:
-            return _from_user_fingerprint, (f"{cls.__module__}.{cls.__qualname__}", known(obj))
+            content = known(obj)
+            if content is not NotImplemented:  # else not read in full: the exact path
+                return _from_user_fingerprint, (f"{cls.__module__}.{cls.__qualname__}", content)
         if (isinstance(obj, type) or cls is types.FunctionType) and sent_by_value(obj):
             if cls is types.FunctionType:
                 raise Unfingerprintable(f"function {obj.__qualname__} is sent as code")

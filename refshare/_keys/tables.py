@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from .._dispatch import TypeTable
+from .._rules import pickles_as, pickling_epoch
 from .sizes import SizeFn, register_size
 
 Key = bytes
@@ -57,11 +58,13 @@ StampFn = Callable[[Any], Stamp]
 leaf_digests: TypeTable[DigestFn] = TypeTable()
 #: How to tell that an object may have changed since it was hashed (see ``stamps``).
 stamps: TypeTable[StampFn] = TypeTable()
-#: Users' own types, with what defines their content (see ``register_fingerprint``).
-user_fingerprints: TypeTable[FingerprintFn] = TypeTable()
+#: Users' own types, with what defines their content (see ``register_fingerprint``); a
+#: subclass is read only if it pickles as the registered class (see ``refshare._rules``).
+user_fingerprints: TypeTable[FingerprintFn] = TypeTable(pickles_as, pickling_epoch)
 #: refshare's own fingerprints of the ecosystem's batch types (see ``refshare._integrations``),
 #: registered for when their package is imported; a user's registration takes precedence.
-builtin_fingerprints: TypeTable[FingerprintFn] = TypeTable()
+#: Each is an allow-list: ``NotImplemented`` for a value it has not read in full.
+builtin_fingerprints: TypeTable[FingerprintFn] = TypeTable(pickles_as, pickling_epoch)
 
 
 def register_fingerprint(
@@ -70,9 +73,13 @@ def register_fingerprint(
     """Teach refshare what defines the content of an instance of ``cls`` (or a subclass).
 
     ``fingerprint(obj)`` returns any value refshare can fingerprint itself, typically a tuple
-    of the object's arrays, tensors and metadata. Two instances share a ref exactly when these
-    values are equal in type, layout and bytes, so leave nothing out that a worker would see.
-    ``size`` is the same as :func:`register_size`.
+    of the object's arrays, tensors and metadata, or ``NotImplemented`` for an instance it
+    does not read in full (refshare then keys that one by its pickle). Two instances share
+    a ref exactly when these values are equal in type, layout and bytes, so leave nothing
+    out that a worker would see. A subclass is read with ``fingerprint`` only if it pickles
+    as ``cls`` does: the same ``__reduce_ex__``, ``__reduce__``, ``__getstate__``,
+    ``__setstate__``, ``__getnewargs_ex__``, ``__getnewargs__``, slots and ``copyreg``
+    entry. ``size`` is the same as :func:`register_size`.
     """
     if not isinstance(cls, type):
         raise TypeError(f"register_fingerprint() takes a class, got {cls!r}")

@@ -1,0 +1,135 @@
+"""The rules that keep refshare exact: what a reader may key, which classes it may read.
+
+Each fast path of refshare (a reader that keys a framework's batch without pickling it, a
+reduction that splits it into members) models one class's pickling. Two rules bound them,
+and every type table of readers applies them (see ``refshare._dispatch.TypeTable``):
+
+- **A reader is an allow-list.** It returns what it has read in full of everything the
+  value's pickling sends, or ``NotImplemented`` for anything it does not model (a
+  non-tensor entry, a nested container, a field it does not know). ``NotImplemented``
+  hands the value to the exact path: the pickling pass, or Ray's own pickle of it. A
+  reduction for deep sharing does the same: it splits only what the worker's rebuild
+  reproduces exactly, and returns ``NotImplemented`` to store the value whole.
+- **A reader registered for a class reads a subclass only if the subclass pickles as the
+  class does** (:func:`pickles_as`): pickle decides how an instance is sent in a fixed order
+  (Ray's registered serializers and ``copyreg.dispatch_table``, for the exact class; then
+  ``__reduce_ex__``, ``__reduce__``, ``__getstate__``/``__setstate__``,
+  ``__getnewargs_ex__``/``__getnewargs__``, and the slots the default state holds), and a
+  subclass that changes any of them is not read. Nor is the class itself once something
+  other than its own package registered a reducer for it.
+
+The third rule, what a stamp may vouch for within a call, lives with the stamps
+(``refshare._keys.stamps.vouches_for``); the fourth, what verify mode compares, in
+``refshare._verify``.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import sys
+from typing import Any
+
+#: What pickle consults to send an instance, after the dispatch tables (exact class only).
+PICKLING_HOOKS = (
+    "__reduce_ex__",
+    "__reduce__",
+    "__getstate__",
+    "__setstate__",
+    "__getnewargs_ex__",
+    "__getnewargs__",
+)
+
+#: A class's pickling: its dispatch-table entry, each hook as the class resolves it along
+#: its MRO, and the names of its slots.
+Pickling = tuple[object, ...]
+
+_pickling: dict[type, Pickling] = {}
+_epoch: tuple[int, ...] = ()
+
+
+_tables: list[Any] = [copyreg.dispatch_table]
+
+
+def _dispatch_tables() -> list[Any]:
+    """The tables pickle looks an exact class up in before its hooks: ``copyreg``'s, and
+    Ray's cloudpickle's own (where ``ray.util.register_serializer`` writes)."""
+    if len(_tables) == 1:
+        cloudpickle = sys.modules.get("ray.cloudpickle")
+        pickler = getattr(cloudpickle, "CloudPickler", None)
+        maps = getattr(getattr(pickler, "dispatch_table", None), "maps", None) or ()
+        _tables.extend(table for table in maps if table is not copyreg.dispatch_table)
+    return _tables
+
+
+def pickling_epoch() -> tuple[int, ...]:
+    """Changes whenever an entry is added to a dispatch table: what was worked out of a
+    class's pickling before is stale then (see :func:`pickling_of`)."""
+    return tuple(map(len, _dispatch_tables()))
+
+
+def dispatch_entry(cls: type) -> Any:
+    """The reducer a dispatch table holds for exactly ``cls``, or ``None``: Ray's
+    registered serializers win over ``copyreg``'s, as in Ray's pickler."""
+    for table in reversed(_dispatch_tables()):
+        found = table.get(cls)
+        if found is not None:
+            return found
+    return None
+
+
+def _resolved(cls: type, name: str) -> object:
+    for base in cls.__mro__:
+        if name in base.__dict__:
+            return base.__dict__[name]
+    return None
+
+
+def _slots(cls: type) -> frozenset[str]:
+    names: set[str] = set()
+    for base in cls.__mro__:
+        slots = base.__dict__.get("__slots__", ())
+        names.update((slots,) if isinstance(slots, str) else slots)
+    return frozenset(names)
+
+
+def reducer_package(entry: Any) -> str:
+    """The package whose code a dispatch-table entry runs: for a serializer registered with
+    Ray (``ray.util.register_serializer``), the package of the program's serializer that
+    Ray's reducer calls, not Ray's."""
+    code = getattr(entry, "__code__", None)
+    cells = getattr(entry, "__closure__", None)
+    if code is not None and cells and "custom_serializer" in code.co_freevars:
+        entry = cells[code.co_freevars.index("custom_serializer")].cell_contents
+    return package_of(entry)
+
+
+def pickling_of(cls: type) -> Pickling:
+    """Everything that decides how pickle sends an instance of ``cls``, in pickle's order."""
+    global _epoch
+    epoch = pickling_epoch()
+    if epoch != _epoch:
+        _pickling.clear()
+        _epoch = epoch
+    found = _pickling.get(cls)
+    if found is None:
+        hooks = tuple(_resolved(cls, name) for name in PICKLING_HOOKS)
+        found = _pickling[cls] = (dispatch_entry(cls), *hooks, _slots(cls))
+    return found
+
+
+def package_of(obj: object) -> str:
+    """The top-level package an object (a class, a function) was defined in."""
+    return str(getattr(obj, "__module__", None) or "").partition(".")[0]
+
+
+def pickles_as(cls: type, registered: type) -> bool:
+    """Whether a reader registered for ``registered`` may read an instance of ``cls``.
+
+    ``cls`` must pickle exactly as ``registered`` does (the same dispatch entry, hooks and
+    slots), and ``registered``'s dispatch entry, if any, must be its own package's (as
+    tensordict registers one for ``TensorDict``): a reducer registered by the program is
+    not what the reader models."""
+    entry = pickling_of(registered)[0]
+    if entry is not None and reducer_package(entry) != package_of(registered):
+        return False
+    return cls is registered or pickling_of(cls) == pickling_of(registered)
