@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar, cast, overload
 
@@ -61,12 +62,13 @@ def _over_ray_client() -> bool:
     return client
 
 
-def _enter(options: Options, owner: object) -> Frame:
-    """Enter a new scope (or none, when disabled) in this context."""
+def _enter(options: Options, owner: object, site: str) -> Frame:
+    """Enter a new scope (or none, when disabled) in this context; ``site`` names it (the
+    decorated function, the block) in what verify mode reports."""
     if not options.enabled or _disabled_by_env() or _over_ray_client():
         return enter(None, owner)
     ensure_installed()
-    return enter(Scope(options), owner)
+    return enter(Scope(options, site), owner)
 
 
 class sharing:
@@ -88,11 +90,13 @@ class sharing:
         reuse_fingerprints: bool = False,
         puts: bool = True,
         deep: bool | None = None,
+        verify: bool = False,
     ) -> None:
-        self._options = Options(min_bytes, cache, enabled, reuse_fingerprints, puts, deep)
+        self._options = Options(min_bytes, cache, enabled, reuse_fingerprints, puts, deep, verify)
 
     def __enter__(self) -> sharing:
-        _enter(self._options, self)
+        caller = sys._getframe(1)
+        _enter(self._options, self, f"sharing() at {caller.f_code.co_filename}:{caller.f_lineno}")
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -101,11 +105,15 @@ class sharing:
             leave(frame)
 
 
+def _site(wrapped: Any) -> str:
+    return str(getattr(wrapped, "__qualname__", None) or repr(wrapped))
+
+
 def _runner(options: Options, asynchronous: bool) -> Callable[..., Any]:
     if asynchronous:
 
         async def run_async(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-            frame = _enter(options, wrapped)
+            frame = _enter(options, wrapped, _site(wrapped))
             try:
                 return await wrapped(*args, **kwargs)
             finally:
@@ -114,7 +122,7 @@ def _runner(options: Options, asynchronous: bool) -> Callable[..., Any]:
         return run_async
 
     def run(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-        frame = _enter(options, wrapped)
+        frame = _enter(options, wrapped, _site(wrapped))
         try:
             return wrapped(*args, **kwargs)
         finally:
@@ -177,6 +185,7 @@ def shared_args(
     reuse_fingerprints: bool = False,
     puts: bool = True,
     deep: bool | None = None,
+    verify: bool = False,
 ) -> Callable[[_F], _F]: ...
 
 
@@ -190,6 +199,7 @@ def shared_args(
     reuse_fingerprints: bool = False,
     puts: bool = True,
     deep: bool | None = None,
+    verify: bool = False,
 ) -> _F | Callable[[_F], _F]:
     """Share the large arguments of every Ray call the decorated function submits.
 
@@ -224,11 +234,18 @@ def shared_args(
             members one by one where one was sent before, or where values of its kind had
             members sent again later; else the argument whole, in one put. ``True`` or
             ``False`` always or never. What a worker receives is the same either way.
+        verify: also serialize each argument sent by ref as Ray would send it by value, and
+            check that a worker receives the same (see docs/guarantees.md); an argument
+            that would not is logged as an error, counted in ``stats().mismatches`` and sent
+            by value. Costs more than by value: for a run on your own data when you adopt
+            refshare or upgrade a framework. ``REFSHARE_VERIFY=1`` turns it on everywhere.
 
     Use bare (``@shared_args``) or with options (``@shared_args(min_bytes=1 << 20)``).
     Options are checked here, when decorating.
     """
-    decorate = _make_decorator(Options(min_bytes, cache, enabled, reuse_fingerprints, puts, deep))
+    decorate = _make_decorator(
+        Options(min_bytes, cache, enabled, reuse_fingerprints, puts, deep, verify)
+    )
     return decorate if func is None else decorate(func)
 
 
@@ -239,7 +256,7 @@ def share(value: Any) -> ray.ObjectRef[Any]:
     Values refshare cannot fingerprint are put as they are.
     """
     current = current_scope()
-    scope = current if isinstance(current, Scope) else Scope(Options(min_bytes=0))
+    scope = current if isinstance(current, Scope) else Scope(Options(min_bytes=0), "share()")
     if _disabled_by_env() or not scope.ready():
         return cast("ray.ObjectRef[Any]", raw_put(value))
     ref = scope.store(value, estimate_size(value), fallback=None)

@@ -30,6 +30,7 @@ class Options:
     reuse_fingerprints: bool = False
     puts: bool = True
     deep: bool | None = None
+    verify: bool = False
 
     def __post_init__(self) -> None:
         min_bytes = self.min_bytes
@@ -45,7 +46,7 @@ class Options:
                 f"cache={self.cache!r}: pass True (the process-wide cache), False (share "
                 "within one call only) or a refshare.RefCache"
             )
-        for name in ("enabled", "reuse_fingerprints", "puts"):
+        for name in ("enabled", "reuse_fingerprints", "puts", "verify"):
             _check_flag(name, getattr(self, name))
         if self.deep is not None and not isinstance(self.deep, bool):
             raise TypeError(
@@ -75,4 +76,5 @@ class Options:
             "reuse_fingerprints": self.reuse_fingerprints,
             "puts": self.puts,
             "deep": self.deep,
+            "verify": self.verify,
         }

@@ -27,6 +27,7 @@ from ._keys.tables import leaf_digests, user_fingerprints
 from ._options import Options
 from ._ray.session import current_session, stored_bytes
 from ._ray.submit import raw_put
+from ._verify import verifier, verify_by_env
 from ._wire.serialized import PickleOnPut, bundle_form, stored_form
 
 logger = logging.getLogger("refshare")
@@ -64,12 +65,17 @@ class Scope:
         "puts",
         "reuse",
         "session",
+        "site",
         "splits",
         "splitting",
         "unkeyed",
+        "verify",
     )
 
-    def __init__(self, options: Options) -> None:
+    def __init__(self, options: Options, site: str = "") -> None:
+        #: What the scope is (the decorated function, the block), for what verify reports.
+        self.site = site
+        self.verify = options.verify or verify_by_env()
         self.min_bytes = options.threshold
         self.cache: RefCache | None = options.ref_cache
         self.reuse = options.reuse_fingerprints
@@ -95,28 +101,33 @@ class Scope:
         """
         new_args = args
         for index, value in enumerate(args or ()):
-            shared = self.share(value)
+            shared = self.share(value, index)
             if shared is not value:
                 if new_args is args:
                     new_args = list(args)
                 new_args[index] = shared
         new_kwargs = kwargs
         for name, value in (kwargs or {}).items():
-            shared = self.share(value)
+            shared = self.share(value, name)
             if shared is not value:
                 if new_kwargs is kwargs:
                     new_kwargs = dict(kwargs)
                 new_kwargs[name] = shared
         return new_args, new_kwargs
 
-    def share(self, value: Any) -> Any:
-        """Return a ref for ``value`` if it is large and shareable, else ``value`` itself."""
+    def share(self, value: Any, argument: int | str = 0) -> Any:
+        """Return a ref for ``value`` if it is large and shareable, else ``value`` itself;
+        ``argument`` names it (its position or keyword) in what verify mode reports."""
         if type(value) in SCALARS or isinstance(value, ObjectRef):
             return value
         nbytes = self.size_if_large(value)
         if nbytes is None or not self.ready():
             return value  # small, or Ray is not running yet: it starts on this very call
-        return self.store_argument(value, nbytes, fallback=value)
+        shared = self.store_argument(value, nbytes, fallback=value)
+        if self.verify and shared is not value:
+            label = f"argument {argument!r}"
+            shared = verifier.check(value, shared, self.site, label, self.session)
+        return shared
 
     def ray_put(self, value: Any, **options: Any) -> Any:
         """The ref for ``ray.put(value, **options)`` made inside this scope: found by
@@ -130,6 +141,9 @@ class Scope:
         if nbytes is None or not self.ready():
             return None
         ref = self.store_argument(value, nbytes, fallback=None, put=True)
+        if ref is not None and self.verify:
+            ref = verifier.check(value, ref, self.site, "ray.put", self.session)
+            ref = ref if ref is not value else None  # a mismatch: Ray's own put
         if ref is not None:
             _stats.record_put_call()
         return ref

@@ -15,7 +15,9 @@ class Stats(NamedTuple):
     ``by_value`` counts large arguments refshare could not fingerprint or put, which went
     to Ray unchanged; ``put_calls`` counts ``ray.put`` calls made inside a scope that
     refshare answered by content (each also counts as a put or a hit); ``unkeyed`` counts
-    the puts of values refshare did not key, being of a kind that has not repeated lately.
+    the puts of values refshare did not key, being of a kind that has not repeated lately;
+    ``mismatches`` counts arguments that verify mode found would not reach the worker as
+    by value, and sent by value instead.
     """
 
     puts: int = 0
@@ -26,13 +28,13 @@ class Stats(NamedTuple):
     by_value: int = 0
     put_calls: int = 0
     unkeyed: int = 0
+    mismatches: int = 0
 
 
 _lock = threading.Lock()
 _counts = [0] * len(Stats._fields)
-_PUTS, _HITS, _BYTES_PUT, _BYTES_SAVED, _EVICTIONS, _BY_VALUE, _PUT_CALLS, _UNKEYED = range(
-    len(Stats._fields)
-)
+(_PUTS, _HITS, _BYTES_PUT, _BYTES_SAVED, _EVICTIONS, _BY_VALUE, _PUT_CALLS, _UNKEYED,
+ _MISMATCHES) = range(len(Stats._fields))  # fmt: skip
 
 
 _DESCRIPTIONS = {
@@ -44,6 +46,7 @@ _DESCRIPTIONS = {
     "by_value": "Large arguments refshare could not share, sent by value",
     "put_calls": "ray.put calls inside a scope answered by content",
     "unkeyed": "Values put without keying: of a kind that has not repeated lately",
+    "mismatches": "Arguments verify mode found would differ from by value, sent by value",
 }
 
 #: Ray metric counters, one per field, once :func:`enable_metrics` was called.
@@ -55,9 +58,8 @@ def enable_metrics(enabled: bool = True) -> None:
 
     They appear on Ray's metrics endpoint and dashboard as ``refshare_puts``,
     ``refshare_hits``, ``refshare_bytes_put``, ``refshare_bytes_saved``,
-    ``refshare_evictions``, ``refshare_by_value``, ``refshare_put_calls`` and
-    ``refshare_unkeyed``, counted
-    from the moment they are on.
+    ``refshare_evictions``, ``refshare_by_value``, ``refshare_put_calls``,
+    ``refshare_unkeyed`` and ``refshare_mismatches``, counted from the moment they are on.
     """
     global _metrics
     if not enabled:
@@ -104,6 +106,10 @@ def record_put_call() -> None:
 
 def record_unkeyed() -> None:
     _add(_UNKEYED)
+
+
+def record_mismatch() -> None:
+    _add(_MISMATCHES)
 
 
 def stats() -> Stats:

@@ -1,0 +1,209 @@
+"""Verify mode: every argument sent by ref checked against what Ray by value would send.
+
+The rule verify holds refshare to is the product's promise: a worker receives what Ray by
+value gives it. For each argument refshare replaces (a ref, or a skeleton naming its
+members), verify serializes the argument as Ray would by value and digests that
+serialization (its in-band bytes and out-of-band buffers):
+
+- the first time a stored object is sent, what a worker would receive of it (the object
+  fetched and deserialized on the driver, a skeleton rebuilt from its members, as on a
+  worker) must serialize as what it would receive by value (the argument put and fetched
+  by Ray's own ``ray.put``) does; the by-value digest is then kept with the object;
+- every later send of that object must have the same by-value digest: equal keys, equal
+  serializations.
+
+A difference is a mismatch: logged as an error naming the value's type, the call site and
+the argument, counted (``stats().mismatches``), and that argument goes by value. A class
+whose pickling is not deterministic (the same value, pickled twice, gives other bytes) is
+reported too, and is safe: it goes by value. Verify costs what sending by value costs and
+more; it is meant for a run when refshare is adopted or a framework upgraded.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import io
+import logging
+import os
+import pickle
+import sys
+import threading
+from typing import Any
+
+import ray
+
+from . import _stats
+from ._hashing import Buffer, BufferHasher
+from ._ray.submit import raw_put
+from ._wire.serialized import native_split
+from ._wire.tensors import pickled_as_storage, storage_bytes
+
+logger = logging.getLogger("refshare")
+
+#: Setting this environment variable to 1 turns verify mode on in every scope.
+VERIFY_ENV = "REFSHARE_VERIFY"
+#: How many stored objects' by-value digests are kept; the oldest are checked again.
+MAX_ENTRIES = 1 << 16
+
+
+def verify_by_env() -> bool:
+    return os.environ.get(VERIFY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _array(*description: object) -> None:
+    """Stands for an array in a by-value digest; never called."""
+
+
+def _describe_array(arr: Any) -> tuple[Any, tuple[Any, ...]]:
+    """An array as its pickle sends it (dtype, shape, memory order, bytes, read-only), its
+    dtype described by value: unpickled apart, two members' dtypes are two objects where
+    one pickle of both makes one, a difference nothing but ``is`` can see."""
+    dtype = arr.dtype
+    token = dtype.str if dtype.isbuiltin == 1 else pickle.dumps(dtype, protocol=5)
+    flags = arr.flags
+    order = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
+    head = (token, arr.shape, order, flags.writeable)
+    if dtype.hasobject:
+        return _array, (*head, arr.ravel(order=order).tolist())  # elements, aliasing kept
+    if flags.c_contiguous or flags.f_contiguous:
+        return _array, (*head, pickle.PickleBuffer(arr))
+    return _array, (*head, arr.tobytes(order="C"))
+
+
+class _Storage:
+    """Stands for one tensor storage in a by-value digest: one object per storage in a
+    dump, so that tensors sharing a storage show it as pickle's memo shows any aliasing."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _array, ("storage", pickle.PickleBuffer(self.data))
+
+
+def _tensor(*description: object) -> None:
+    """Stands for a tensor in a by-value digest; never called."""
+
+
+@functools.cache
+def _describer() -> type[pickle.Pickler]:
+    """Ray's pickler, describing arrays and CPU tensors by what their pickling sends but
+    not where it lies: torch's pickle of a tensor holds its storage's address, which
+    differs between two equal tensors."""
+    from ray import cloudpickle
+
+    base: type[Any] = cloudpickle.CloudPickler
+
+    class Describer(base):  # type: ignore[misc]
+        storages: dict[int, _Storage]
+
+        def reducer_override(self, obj: Any) -> Any:
+            cls = type(obj)
+            numpy = sys.modules.get("numpy")
+            if numpy is not None and cls is numpy.ndarray:
+                return _describe_array(obj)
+            torch = sys.modules.get("torch")
+            if torch is not None and cls is torch.Tensor and pickled_as_storage(obj, True):
+                return self.describe_tensor(obj)
+            return super().reducer_override(obj)
+
+        def describe_tensor(self, t: Any) -> tuple[Any, tuple[Any, ...]]:
+            storage = t.untyped_storage()
+            storages = self.__dict__.setdefault("storages", {})
+            token = storages.get(storage._cdata)
+            if token is None:
+                token = storages[storage._cdata] = _Storage(storage_bytes(t))
+            layout = (str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset())
+            flags = (t.requires_grad, t.is_conj(), t.is_neg())
+            return _tensor, (*layout, flags, token, getattr(t, "__dict__", None) or None)
+
+    return Describer
+
+
+def serialized_digest(value: Any) -> bytes:
+    """A digest of Ray's serialization of ``value``, as a task argument or a put sends it:
+    the msgpack part, then the other objects pickled together by Ray's cloudpickle (its
+    registered serializers included), in-band bytes and out-of-band buffers, arrays'
+    dtypes by value. (Ray's own serialized bytes are not compared: their padding depends
+    on where buffers lie.)"""
+    native, objects = native_split(value)
+    stream = io.BytesIO()
+    buffers: list[pickle.PickleBuffer] = []
+    _describer()(stream, protocol=5, buffer_callback=buffers.append).dump(objects)
+    parts: list[Buffer] = [native or b"", stream.getbuffer()]
+    parts += [buffer.raw() for buffer in buffers]
+    return BufferHasher(b"by value").add_all(parts).digest()
+
+
+def _as_received(sent: Any) -> Any:
+    """What a worker receives for ``sent``: a ref fetched, or a value (a skeleton) as its
+    deserialization rebuilds it."""
+    if isinstance(sent, ray.ObjectRef):
+        return ray.get(sent)
+    return ray.get(raw_put(sent))
+
+
+class Verifier:
+    """The by-value digests of the objects sent by ref, in this process and session."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._digests: collections.OrderedDict[object, bytes] = collections.OrderedDict()
+        self._session: object = None
+
+    def check(self, value: Any, sent: Any, site: str, argument: str, session: object) -> Any:
+        """``sent`` if a worker receives through it what it receives of ``value`` by value,
+        else ``value`` itself (a mismatch, reported). ``site`` and ``argument`` name where
+        it was sent (``Cls.method``, ``argument 'batch'``)."""
+        try:
+            expected = serialized_digest(value)
+        except Exception:
+            logger.debug("verify: cannot serialize %s", type(value).__qualname__, exc_info=True)
+            return sent  # Ray cannot send it by value either: nothing to compare
+        ident = sent.binary() if isinstance(sent, ray.ObjectRef) else None
+        with self._lock:
+            if session != self._session:
+                self._digests.clear()
+                self._session = session
+            known = None if ident is None else self._digests.get(ident)
+        if known is None:
+            why = self._compare_received(value, sent)
+            if why is None and ident is not None:
+                with self._lock:
+                    self._digests[ident] = expected
+                    if len(self._digests) > MAX_ENTRIES:
+                        self._digests.popitem(last=False)
+        else:
+            why = None if known == expected else "its content differs from the stored value's"
+        if why is None:
+            return sent
+        _stats.record_mismatch()
+        logger.error(
+            "refshare verify: %s sent as %s in %s would not reach the worker as by value "
+            "(%s); sent by value",
+            type(value).__qualname__,
+            argument,
+            site,
+            why,
+        )
+        return value
+
+    @staticmethod
+    def _compare_received(value: Any, sent: Any) -> str | None:
+        """Why a worker would receive other than by value through ``sent``, or ``None``."""
+        try:
+            by_value = serialized_digest(ray.get(raw_put(value)))
+        except Exception:
+            logger.debug("verify: by value fails for %s", type(value).__qualname__, exc_info=True)
+            return None  # by value fails, or its result cannot be sent again: nothing to compare
+        try:
+            received = serialized_digest(_as_received(sent))
+        except Exception as error:
+            return f"rebuilding it failed: {error!r}"
+        return None if received == by_value else "what the worker rebuilds differs"
+
+
+verifier = Verifier()

@@ -1,0 +1,170 @@
+"""Verify mode on a real Ray: it passes what is exact, and catches what is not.
+
+Each case sends values through ``sharing(verify=True)`` and checks what the workers received
+against a by-value send, and what verify counted (``stats().mismatches``) and logged."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+from differential_kit import Probe, first_difference
+
+import refshare
+
+pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
+
+DEEP = (False, None, True)
+
+
+@pytest.fixture(scope="module")
+def probes(local_ray: None) -> list[Any]:
+    group = [Probe.remote() for _ in range(2)]
+    ray.get([p.ping.remote() for p in group])
+    return group
+
+
+def by_value(probes: list[Any], value: Any) -> list[Any]:
+    return ray.get([p.describe.remote(value) for p in probes])
+
+
+def shared(probes: list[Any], value: Any, **options: Any) -> list[Any]:
+    with refshare.sharing(min_bytes=1 << 10, **options):
+        return ray.get([p.describe.remote(value) for p in probes])
+
+
+class Point:
+    """A plain class: two parts, both sent by value."""
+
+    def __init__(self, data: np.ndarray, label: Any) -> None:
+        self.data, self.label = data, label
+
+
+class Stamped:
+    """A class whose pickling is not deterministic: each pickle carries a new serial."""
+
+    serial = itertools.count()
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Stamped._rebuild, (self.data, next(Stamped.serial))
+
+    @staticmethod
+    def _rebuild(data: np.ndarray, serial: int) -> Stamped:
+        return Stamped(data)
+
+
+def values() -> list[Any]:
+    """Values whose exactness verify must confirm, each sent twice."""
+    rng = np.random.default_rng(0)
+    arrays = [rng.random(1 << 13) for _ in range(3)]
+    uids = np.array([f"uid-{i // 4}" for i in range(4096)], dtype=object)
+    return [
+        arrays[0],
+        np.asfortranarray(rng.random((64, 128))),
+        {"a": arrays[0], "b": arrays[1], "same": arrays[0], "n": 3},
+        [arrays[2], arrays[2][::2], "label"],
+        Point(arrays[1], ("x", 1.0)),
+        {"uid": uids, "x": arrays[0]},
+    ]
+
+
+@pytest.mark.parametrize("deep", DEEP)
+def test_verify_finds_no_mismatch_where_refshare_is_exact(probes: list[Any], deep: Any) -> None:
+    for value in values():
+        expected = by_value(probes, value)
+        for _ in range(2):  # a first send, then a hit
+            got = shared(probes, value, deep=deep, verify=True)
+            assert got == expected, first_difference(got[0], expected[0])
+    assert refshare.stats().mismatches == 0
+    assert refshare.stats().hits > 0
+
+
+def test_verify_catches_a_reader_that_keys_less_than_the_pickle_sends(
+    probes: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    refshare.register_fingerprint(Point, lambda point: point.data)  # leaves out the label
+    data = np.arange(1 << 14, dtype=np.float64)
+    first, second = Point(data, "first"), Point(data.copy(), "second")
+
+    @refshare.shared_args(verify=True)
+    def send(point: Point) -> Any:
+        return ray.get([p.describe.remote(point) for p in probes])
+
+    with caplog.at_level(logging.ERROR, logger="refshare"):
+        assert send(first) == by_value(probes, first)
+        assert refshare.stats().mismatches == 0
+        # The partial reader gives `second` the key of `first`: verify sees the by-value
+        # serializations differ, and sends `second` by value to both workers.
+        assert send(second) == by_value(probes, second)
+    assert refshare.stats().mismatches == len(probes)
+    message = caplog.records[-1].getMessage()
+    assert "Point" in message and "argument 0" in message and "send" in message
+
+
+def test_without_verify_the_partial_reader_does_send_stale_data(probes: list[Any]) -> None:
+    """The reader above is wrong, and verify is what tells: without it, the stale value."""
+    refshare.register_fingerprint(Point, lambda point: point.data)
+    data = np.arange(1 << 14, dtype=np.float64)
+    first, second = Point(data, "first"), Point(data.copy(), "second")
+    shared(probes, first)
+    assert shared(probes, second) == by_value(probes, first)
+    assert refshare.stats().mismatches == 0
+
+
+def test_a_class_that_pickles_differently_each_time_is_reported_and_safe(
+    probes: list[Any],
+) -> None:
+    value = Stamped(np.ones(1 << 14))
+    expected = by_value(probes, value)
+    for _ in range(2):
+        assert shared(probes, value, verify=True) == expected
+    assert refshare.stats().mismatches > 0
+
+
+def test_the_environment_turns_verify_on(
+    probes: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REFSHARE_VERIFY", "1")
+    refshare.register_fingerprint(Point, lambda point: point.data)
+    data = np.arange(1 << 14, dtype=np.float64)
+    shared(probes, Point(data, "first"))
+    second = Point(data.copy(), "second")
+    assert shared(probes, second) == by_value(probes, second)
+    assert refshare.stats().mismatches == len(probes)
+
+
+def test_verify_checks_puts_too(probes: list[Any]) -> None:
+    refshare.register_fingerprint(Point, lambda point: point.data)
+    data = np.arange(1 << 14, dtype=np.float64)
+    with refshare.sharing(verify=True):
+        first = ray.put(Point(data, "first"))
+        second = ray.put(Point(data.copy(), "second"))
+    assert first != second  # the second is Ray's own put: its own object
+    assert ray.get(second).label == "second"
+    assert refshare.stats().mismatches == 1
+
+
+def test_a_bad_verify_option_fails_where_it_is_given() -> None:
+    with pytest.raises(TypeError, match="verify='yes'"):
+        refshare.shared_args(verify="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="verify=1"):
+        refshare.sharing(verify=1)  # type: ignore[arg-type]
+
+
+def test_the_by_value_digest_tells_apart_what_a_worker_can() -> None:
+    """Two equal values digest alike; values a worker could tell apart do not."""
+    from refshare._verify import serialized_digest
+
+    ray.get(ray.put(0))  # Ray running
+    a = np.arange(1 << 12)
+    assert serialized_digest({"x": a}) == serialized_digest({"x": a.copy()})
+    assert serialized_digest({"x": a}) != serialized_digest({"x": a.astype(np.int32)})
+    assert serialized_digest([a, a]) != serialized_digest([a, a.copy()])  # aliasing
+    assert serialized_digest(a) != serialized_digest(np.asfortranarray(a.reshape(64, 64)))
