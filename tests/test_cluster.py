@@ -57,7 +57,10 @@ def test_fan_out_across_two_nodes(two_nodes: Cluster) -> None:
     before = Payload.serialized
     for _ in range(2):
         assert broadcast(Payload.filled(4), np.arange(1e5)) == by_value
-    assert Payload.serialized - before == 1
+    # Keyed by its own pickle: in the first call once to key and store and once more to
+    # learn it pickles alike; in the second, a new object with the same content, once to
+    # key it, found in the cache.
+    assert Payload.serialized - before == 3
     assert refshare.stats().puts == 2 and refshare.stats().hits == 2 * len(group) * 2 - 2
     for w in group:
         ray.kill(w)

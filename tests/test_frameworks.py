@@ -110,7 +110,10 @@ def test_puts_from_a_thread_pool_inside_a_scope_are_shared(members: list[Any]) -
             return list(pool.map(ray.put, values))
 
     refs, count = serializations(parallel_put)
-    assert len(set(refs)) == 1 and count == 1  # threads that miss at once wait for one put
+    # Keyed by its own pickle: each of the eight objects is pickled once to be keyed.
+    assert len(set(refs)) == 1 and count == 8
+    stats = refshare.stats()  # threads that miss at once wait for one put
+    assert (stats.puts, stats.hits) == (1, 7), stats
     assert refshare.stats().put_calls == 8
     assert ray.get(refs[-1]).data.tolist() == values[0].data.tolist()
 
@@ -131,9 +134,19 @@ def test_patch_methods_round_trip(members: list[Any]) -> None:
     assert refshare.patch_methods(Group, "run") == ["Group.run"]
     assert refshare.patch_methods(Group, "run") == ["Group.run"]  # idempotent: one layer
     shared, count = serializations(step)
-    assert shared == plain and count == N  # each distinct chunk once per step
+    # Keyed by its own pickle: each chunk is pickled once per call that puts it (once per
+    # group), as it is put once in a call; each distinct chunk is stored once per step.
+    assert shared == plain and count == 3 * N
+    stored = refshare.stats()
+    assert (stored.puts, stored.hits) == (N, 2 * N), stored
     again, count = serializations(step)
-    assert again == plain and count == 0  # a step repeating the same data stores nothing
+    assert again == plain and count == 3 * N  # each put keyed by its pickle, none stored
+    stats = refshare.stats()  # a step repeating the same data stores nothing
+    assert (stats.puts, stats.bytes_put, stats.hits) == (
+        stored.puts,
+        stored.bytes_put,
+        stored.hits + 3 * N,
+    ), stats
     assert refshare.unpatch_methods(Group, "run") == ["Group.run"]
     assert "run" in Group.__dict__ and not isinstance(Group.__dict__["run"], wrapt.FunctionWrapper)
     _, count = serializations(step)
@@ -156,7 +169,11 @@ def test_patch_methods_under_another_wrapper(members: list[Any]) -> None:
     assert refshare.unpatch_methods(Mine, "run") == []  # theirs is left working
     group = Mine(members)
     _, count = serializations(lambda: [group.run(chunks(20)) for _ in range(2)])
-    assert calls == [1, 1] and count == N  # refshare's layer beneath still shares
+    # Keyed by its own pickle: each chunk pickled once per run (once to key and store,
+    # then once to key it in the second run, which finds it cached).
+    assert calls == [1, 1] and count == 2 * N
+    stats = refshare.stats()  # refshare's layer beneath still shares
+    assert (stats.puts, stats.hits) == (N, N), stats
 
 
 def test_patch_methods_checks_before_changing_anything() -> None:
@@ -204,7 +221,11 @@ def test_enable_and_disable_a_framework_whose_layout_is_known(
     try:
         groups = [Group(members) for _ in range(3)]
         _, count = serializations(lambda: [g.run(chunks(30)) for g in groups])
-        assert count == N
+        # Keyed by its own pickle: each chunk pickled once per run (key and store in the
+        # first group's run, key and find cached in the others').
+        assert count == 3 * N
+        stats = refshare.stats()
+        assert (stats.puts, stats.hits) == (N, 2 * N), stats  # each chunk stored once
     finally:
         assert refshare.disable("verl") == ["Group.run"]
     assert not isinstance(Group.__dict__["run"], wrapt.FunctionWrapper)
@@ -223,11 +244,17 @@ def test_a_subclass_patched_with_its_own_options_keeps_them(members: list[Any]) 
         data = chunks(40)
         _, count = serializations(lambda: [Sub(members).run(data) for _ in range(2)])
         assert count == 2 * N  # by value: its own options, not the base's
+        assert refshare.stats() == refshare.Stats()  # no scope: refshare saw no put
         _, count = serializations(lambda: [Base(members).run(data) for _ in range(2)])
-        assert count == N
+        # Keyed by its own pickle: each chunk pickled once per run (key and store, then
+        # key and find cached), so the count alone no longer tells it from by value.
+        assert count == 2 * N
+        shared = refshare.stats()
+        assert (shared.put_calls, shared.puts, shared.hits) == (2 * N, N, N), shared
         refshare.unpatch_methods(Base, "run")
         _, count = serializations(lambda: [Sub(members).run(data) for _ in range(2)])
         assert count == 2 * N  # and still its own once the base is unpatched
+        assert refshare.stats() == shared  # by value: no put in a scope
     finally:
         refshare.unpatch_methods(Sub, "run")
         refshare.unpatch_methods(Base, "run")
