@@ -15,7 +15,7 @@ from .._hashing import PARALLEL_MIN_BYTES, SEED, digest_buffer, digest_with, tag
 from .._wire.arrays import dtype_token, flat_bytes, memory_order
 from .._wire.strings import joined
 from .._wire.tensors import TensorElements, element_bytes, pickled_as_storage, storage_bytes
-from .stamps import STAMP_MIN_BYTES, elements_stamp, leaf_digest, storage_stamp
+from .stamps import elements_stamp, leaf_digest, storage_stamp, vouches_for
 from .tables import DigestFn, Key, Memo, leaf_digests
 
 
@@ -103,8 +103,8 @@ def _digest_ndarray(arr: Any) -> Key | None:
 
 @leaf_digests.registers_lazy("numpy", "ndarray")
 def _ndarray_digest(arr: Any, memo: Memo | None, reuse: bool) -> Key | None:
-    if arr.nbytes < STAMP_MIN_BYTES and not arr.dtype.hasobject:
-        return _digest_ndarray(arr)
+    if not vouches_for(arr.nbytes):
+        return _digest_ndarray(arr)  # no stamp could stand for it: straight to the hash
     return leaf_digest(arr, _digest_ndarray, memo, reuse)
 
 
@@ -156,7 +156,8 @@ def tensor_digest(t: Any, memo: Memo | None, reuse: bool) -> Key | None:
     """What pickling a CPU tensor sends: its whole storage, offset, size and stride (its
     attributes, if any, are the pickling pass's to add; see ``tensor_state``).
 
-    Views of one storage (the chunks of a batch) hash that storage once per call."""
+    Views of one storage (the chunks of a batch) hash that storage once per call, if a
+    stamp may vouch for it (see ``vouches_for``); a smaller one, each time it is sent."""
     _check_tensor(t, with_state=True)
     storage = t.untyped_storage()
     nbytes = storage.nbytes()
@@ -171,7 +172,8 @@ def tensor_digest(t: Any, memo: Memo | None, reuse: bool) -> Key | None:
 
 @leaf_digests.registers(TensorElements)
 def _elements_digest(wrapper: TensorElements, memo: Memo | None, reuse: bool) -> Key | None:
-    """A tensor's own elements; the same rows of one base, viewed again, are hashed once."""
+    """A tensor's own elements; the same rows of one base, viewed again, are hashed once
+    (if a stamp may vouch for them, see ``vouches_for``)."""
     t = wrapper.tensor
     _check_tensor(t)
     base = _base(t)

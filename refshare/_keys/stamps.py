@@ -3,11 +3,13 @@
 Within one call, an object hashed before is not hashed again while its stamp holds; across
 calls, only while nothing but torch's own version counter could have changed it and that
 counter has not moved, or while nothing can change it at all (see :func:`leaf_digest`).
+Only a leaf of ``STAMP_MIN_BYTES`` or more gets a stamp at all (see :func:`vouches_for`).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -15,15 +17,30 @@ from typing import Any, NamedTuple
 import xxhash
 
 from .._hashing import SEED
-from .._wire.arrays import dtype_token, memory_order
+from .._wire.arrays import dtype_token, flat_bytes, memory_order
 from .._wire.tensors import element_bytes, pickled_as_storage, storage_bytes
-from .tables import Key, Memo, MemoEntry, Stamp, Trust, stamps
+from .tables import Key, Memo, MemoEntry, Stamp, StampFn, Trust, stamps
 
 #: How many evenly spaced elements a spot check reads (4 KiB of float64).
 SPOT_CHECK_ELEMENTS = 512
-#: Arrays smaller than this are hashed each time they are seen: reading them costs less
-#: than stamping them, and a list of a thousand small arrays stays as cheap as its bytes.
+#: The smallest leaf a stamp may vouch for (see :func:`vouches_for`).
 STAMP_MIN_BYTES = 256 << 10
+
+
+def vouches_for(nbytes: int) -> bool:
+    """Whether a stamp may stand, within one call, for a leaf whose digest reads ``nbytes``
+    (an array's bytes; a tensor's storage, or its own elements for a ``TensorElements``).
+
+    This is the blind spot docs/guarantees.md names: a leaf of ``STAMP_MIN_BYTES`` or more
+    that keeps its memory, shape, strides, torch version counter and the content of its
+    512 spot-checked elements is taken as unchanged, so a write in place elsewhere in it,
+    between two sends of one call, is not seen. A smaller leaf is never vouched for: it is
+    hashed each time it is sent, at any depth, in any deep mode (a structure stamp holds its
+    full digest, see :func:`leaf_token`); below this size a hash costs no more than a
+    stamp. Every stamp function asks this, and so :func:`leaf_digest` through them; the
+    structure walk asks it in :func:`leaf_token`.
+    """
+    return nbytes >= STAMP_MIN_BYTES
 
 
 @functools.lru_cache(maxsize=64)
@@ -94,12 +111,15 @@ def tensor_trust(t: Any) -> Trust:
     return Trust.PROMISED if t.untyped_storage().resizable() else Trust.NEVER
 
 
+def _array_where(arr: Any) -> tuple[object, ...]:
+    return arr.__array_interface__["data"][0], arr.shape, arr.strides, dtype_token(arr.dtype)
+
+
 @stamps.registers_lazy("numpy", "ndarray")
 def ndarray_stamp(arr: Any) -> Stamp:
-    if arr.dtype.hasobject:
+    if arr.dtype.hasobject or not vouches_for(arr.nbytes):
         return None
-    where = (arr.__array_interface__["data"][0], arr.shape, arr.strides, dtype_token(arr.dtype))
-    return (where, spot_check(arr)), array_trust(arr)
+    return (_array_where(arr), spot_check(arr)), array_trust(arr)
 
 
 def _stampable(t: Any) -> bool:
@@ -108,39 +128,78 @@ def _stampable(t: Any) -> bool:
     return pickled_as_storage(t) and not t.is_inference()
 
 
+def _tensor_where(t: Any) -> tuple[object, ...]:
+    # dtype and requires_grad too: both are sent, and changing either (``.data =``,
+    # ``requires_grad_()``) moves no version counter.
+    return t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.requires_grad
+
+
 @stamps.registers_lazy("torch", "Tensor")
 @stamps.registers_lazy("torch.nn", "Parameter")
 def tensor_stamp(t: Any) -> Stamp:
     """Torch's version counter catches its own in-place operations; the spot check of its
     elements, most writes through ``.numpy()`` or ``.data`` views, which the counter does
     not see."""
-    if not _stampable(t):
+    if not _stampable(t) or not vouches_for(t.untyped_storage().nbytes()):
         return None
-    where = (t._version, t.data_ptr(), tuple(t.shape), t.stride())
     spot = spot_check(_elements_of(storage_bytes(t), t.element_size()))
-    return (where, spot), tensor_trust(t)
+    return (_tensor_where(t), spot), tensor_trust(t)
 
 
 def elements_stamp(t: Any) -> Stamp:
     """As :func:`tensor_stamp`, spot-checking the tensor's own elements (what a
     ``TensorElements`` sends): a chunk's rows, not its parent's whole storage."""
-    if not t.is_contiguous():
-        return tensor_stamp(t)
-    if not _stampable(t):
+    if not _stampable(t) or not vouches_for(t.nelement() * t.element_size()):
         return None
-    where = (t._version, t.data_ptr(), tuple(t.shape), t.stride())
-    spot = spot_check(_elements_of(element_bytes(t), t.element_size()))
-    return (where, spot), tensor_trust(t)
+    # A strided tensor's elements would have to be copied to be read: its storage is read.
+    data = element_bytes(t) if t.is_contiguous() else storage_bytes(t)
+    spot = spot_check(_elements_of(data, t.element_size()))
+    return (_tensor_where(t), spot), tensor_trust(t)
 
 
 def storage_stamp(t: Any) -> Stamp:
     """A storage, stamped through any tensor on it: views share its version counter."""
-    if not _stampable(t):
-        return None
     storage = t.untyped_storage()
+    if not _stampable(t) or not vouches_for(storage.nbytes()):
+        return None
     where = (t._version, storage.data_ptr(), storage.nbytes())
     spot = spot_check(_elements_of(storage_bytes(t), t.element_size()))
     return (where, spot), tensor_trust(t)
+
+
+def leaf_token(obj: Any, stamp_fn: StampFn) -> object | None:
+    """What a structure stamp records of an array or tensor (a subclass too): for a leaf
+    :func:`vouches_for` rules out, a digest of all of what pickling it sends, so that a
+    write anywhere in it changes the structure stamp (and a small leaf does not leave its
+    whole value without a stamp); for a larger one, its stamp. ``None`` where neither can
+    be had: an array of objects, a tensor not pickled as its storage, a large tensor
+    without a version counter."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(obj, numpy.ndarray):
+        if obj.dtype.hasobject:
+            return None
+        if not vouches_for(obj.nbytes):
+            return _array_content(obj)
+    elif not pickled_as_storage(obj):  # a tensor, the only other leaf with a stamp
+        return None
+    elif not vouches_for(obj.untyped_storage().nbytes()):
+        return _tensor_content(obj)
+    stamped = stamp_fn(obj)
+    return None if stamped is None else stamped[0]
+
+
+def _array_content(arr: Any) -> object:
+    """A small array as numpy's pickling sends it: its dtype, layout and all its bytes."""
+    layout = (arr.shape, arr.strides, dtype_token(arr.dtype))
+    return layout, xxhash.xxh3_128_digest(flat_bytes(arr)[1], SEED)
+
+
+def _tensor_content(t: Any) -> object:
+    """A tensor on a small storage as torch's pickling sends it: its layout, flags and its
+    whole storage; read whole, it needs no version counter (inference mode is fine)."""
+    layout = (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+    flags = (t.requires_grad, t.is_conj(), t.is_neg())
+    return layout, flags, xxhash.xxh3_128_digest(storage_bytes(t), SEED)
 
 
 class _Kept(NamedTuple):
@@ -183,15 +242,17 @@ def leaf_digest(
 
     Within one call (``memo``), an array or tensor hashed before is not hashed again while
     its stamp holds: same memory, shape and strides, same torch version counter, and the
-    same content at 512 evenly spaced elements (a spot check of a few KiB). Across calls,
-    digests are kept under the same stamp for arrays that cannot change (read-only down to
-    an immutable buffer) and, with ``reuse``, for tensors the user promises not to change
-    behind torch's back. Bytes and strings are immutable but cannot be weakly referenced,
-    so they are hashed each time they are seen. ``memo_key`` (default ``id(obj)``) and
-    ``stamp_fn`` name another digest of the same object: a tensor's storage, or its own
-    elements. ``anchor`` (default ``obj``) is the object the digest is kept against, held
-    or weakly referenced so that its memory cannot be freed and reused unseen: for a view,
-    the tensor it views, so that the same memory viewed again is found.
+    same content at 512 evenly spaced elements (a spot check of a few KiB). Only a leaf of
+    ``STAMP_MIN_BYTES`` or more gets a stamp (see :func:`vouches_for`): a smaller one is
+    hashed each time it is seen. Across calls, digests are kept under the same stamp for
+    arrays that cannot change (read-only down to an immutable buffer) and, with ``reuse``,
+    for tensors the user promises not to change behind torch's back. Bytes and strings are
+    immutable but cannot be weakly referenced, so they are hashed each time they are seen.
+    ``memo_key`` (default ``id(obj)``) and ``stamp_fn`` name another digest of the same
+    object: a tensor's storage, or its own elements. ``anchor`` (default ``obj``) is the
+    object the digest is kept against, held or weakly referenced so that its memory cannot
+    be freed and reused unseen: for a view, the tensor it views, so that the same memory
+    viewed again is found.
     """
     if stamp_fn is None:
         stamp_fn = stamps.exact(type(obj))

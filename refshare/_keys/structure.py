@@ -11,7 +11,8 @@ from typing import Any, NamedTuple
 from .._ray.pickling import sent_by_value
 from .._wire.arrays import dtype_token
 from .sizes import SCALARS, slot_names
-from .tables import stamps
+from .stamps import leaf_token
+from .tables import StampFn, stamps
 
 #: How many objects a structure stamp visits at most; a larger value gets no stamp and is
 #: keyed again each time it is sent.
@@ -78,7 +79,7 @@ class _Walk:
             raise _TooLarge  # the class travels with its instance
         stamp_fn = stamps.lookup(cls)
         if stamp_fn is not None:
-            self.add_leaf(obj, stamp_fn(obj))
+            self.add_leaf(obj, stamp_fn)
         elif isinstance(obj, (dict, list, tuple, set, frozenset)) and _walkable(cls):
             self.add_container(obj)
         elif _walkable(cls):
@@ -89,18 +90,20 @@ class _Walk:
         else:
             raise _TooLarge
 
-    def add_leaf(self, obj: Any, stamped: Any) -> None:
-        """An array or tensor (a subclass too): its own stamp, then any attributes."""
-        if stamped is not None:
-            self.tokens.append((id(obj), stamped[0]))
-        elif getattr(getattr(obj, "dtype", None), "hasobject", False):
+    def add_leaf(self, obj: Any, stamp_fn: StampFn) -> None:
+        """An array or tensor (a subclass too): its stamp, or all its content if it is too
+        small to be vouched for by one (see ``leaf_token``), then any attributes."""
+        if getattr(getattr(obj, "dtype", None), "hasobject", False):
             if obj.size > self.budget:
                 raise _TooLarge  # known too large before walking a single member
             self.tokens.append((id(obj), obj.shape, obj.strides))
             for item in obj.ravel().tolist():
                 self.add(item)
         else:
-            raise _TooLarge  # nothing vouches for its content (an inference-mode tensor)
+            token = leaf_token(obj, stamp_fn)
+            if token is None:
+                raise _TooLarge  # nothing vouches for it (a large inference-mode tensor)
+            self.tokens.append((id(obj), token))
         self.add_state(obj)  # a subclass's own attributes (a masked array's mask)
 
     def add_container(self, obj: Any) -> None:
@@ -162,11 +165,13 @@ def structure_stamp(obj: object) -> StructureStamp | None:
 
     The stamp lists each container's identity and length, each attribute's name, the
     identity of each immutable atom, and each array's or tensor's own stamp (address,
-    layout, version counter and a spot check of its elements). Two stamps of one object
-    are equal only if nothing a pickle would see has been replaced, resized or (within
-    what a spot check reads) written to. A value the walk cannot vouch for gets no stamp:
-    one larger than its budget, one holding a class or function that Ray sends as code, an
-    object of a C type the walk cannot look into, a tensor without a version counter.
+    layout, version counter and a spot check of its elements), or for one below
+    ``STAMP_MIN_BYTES`` a digest of all of it (see ``refshare._keys.stamps.vouches_for``).
+    Two stamps of one object are equal only if nothing a pickle would see has been
+    replaced, resized or written to (in a large leaf, within what a spot check reads). A
+    value the walk cannot vouch for gets no stamp: one larger than its budget, one holding
+    a class or function that Ray sends as code, an object of a C type the walk cannot look
+    into, a large tensor without a version counter.
     """
     walk = _Walk()
     try:
