@@ -72,12 +72,18 @@ def ndarray_head(dtype: Any, shape: tuple[int, ...], order: str) -> bytes:
 
 
 def _digest_strings(arr: Any) -> Key | None:
-    """An array of exact strings, by its strings joined (see ``refshare._wire.strings``)."""
+    """An array of exact strings, by its strings joined and which of its elements are one
+    object (see ``refshare._wire.strings``)."""
     found = joined(arr)
     if found is None:
         return None
-    text, order = found
-    return digest_with(tagged("strings", arr.shape, order), text.encode("utf-8", "surrogatepass"))
+    text, order, index = found
+    data = text.encode("utf-8", "surrogatepass")
+    if index is None:  # every element an object of its own
+        return digest_with(tagged("strings", arr.shape, order), data)
+    head = tagged("aliased strings", arr.shape, order, index.dtype.str, len(data))
+    head.update(index)
+    return digest_with(head, data)
 
 
 def _digest_ndarray(arr: Any) -> Key | None:

@@ -30,13 +30,22 @@ def rebuild_tensor(
     return tensor.requires_grad_() if requires_grad else tensor
 
 
-def rebuild_strings(text: str, shape: Any, order: Literal["C", "F"]) -> Any:
+def rebuild_strings(text: str, shape: Any, order: Literal["C", "F"], index: Any = None) -> Any:
     """An array of strings from their NUL-joined text, as numpy's unpickling would give it:
-    a writable array of its own, of the same shape and memory order."""
+    a writable array of its own, of the same shape and memory order. With ``index``, the
+    text holds each distinct string object once and ``index`` says which fills each element
+    (in ``order``): those elements are one object, as pickle's memo makes them."""
     import numpy as np
 
     out = np.empty(shape, dtype=object, order=order)
-    out.reshape(-1, order=order)[:] = text.split("\0")
+    flat = out.reshape(-1, order=order)  # a view: filling it fills ``out``
+    strings = text.split("\0")
+    if index is None:
+        flat[:] = strings
+    else:
+        distinct = np.empty(len(strings), dtype=object)
+        distinct[:] = strings
+        np.take(distinct, index, out=flat, mode="clip")  # copies references: repeats alias
     return out
 
 

@@ -1,0 +1,246 @@
+"""Arrays of strings, stored joined (see ``refshare._wire.strings``), on a real Ray: a
+worker gets what Ray by value gives it, down to which elements are one object.
+
+Pickle's memo sends a string object once however many elements it fills, so an array
+that repeats one object (verl's ``uid`` column: one uid per prompt, repeated for each
+sample) arrives by value with those elements one object, and pickles again to a fraction
+of the bytes. ``describe_fully`` takes strings as values, so each receiver also reports
+the identity pattern of the array's elements and the size of its elements' pickle.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import sys
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+from differential_kit import describe_fully, first_difference
+
+import refshare
+from refshare import fingerprint
+
+pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
+
+PROMPTS, SAMPLES = 256, 8
+DEEP = [False, None, True]
+
+
+def identity_pattern(arr: np.ndarray) -> list[int]:
+    """Each element (in C order) as the index of the first element that is the same object."""
+    first: dict[int, int] = {}
+    return [first.setdefault(id(x), i) for i, x in enumerate(arr.ravel().tolist())]
+
+
+def the_strings(value: Any) -> np.ndarray:
+    """The array of strings a value is or holds (under ``"uids"``)."""
+    arr = value["uids"] if isinstance(value, dict) else value
+    assert isinstance(arr, np.ndarray)
+    return arr
+
+
+def observe(value: Any) -> tuple[Any, int, list[int]]:
+    """What a receiver sees of a value: everything ``describe_fully`` reports, the pickle
+    size of its strings as a list, and their identity pattern."""
+    arr = the_strings(value)
+    return describe_fully(value), len(pickle.dumps(arr.tolist())), identity_pattern(arr)
+
+
+@ray.remote(num_cpus=0.05)
+class Receiver:
+    def observe(self, value: Any) -> tuple[Any, int, list[int]]:
+        return observe(value)
+
+
+@pytest.fixture(scope="module")
+def receiver(local_ray: None) -> Any:
+    actor = Receiver.remote()  # type: ignore[attr-defined]
+    ray.get(actor.observe.remote(np.array(["warm"], dtype=object)), timeout=120)
+    return actor
+
+
+# -- the arrays ---------------------------------------------------------------------------
+
+
+def fresh(text: str) -> str:
+    """An equal string that is an object of its own (for more than one character)."""
+    return "".join([text[:1], text[1:]])
+
+
+def uid_column() -> np.ndarray:
+    """verl's ``uid`` column after ``repeat(interleave=True)``: one uid object per prompt,
+    the same object for each of its samples."""
+    rng = random.Random(0)
+    uids = np.array([str(uuid.UUID(int=rng.getrandbits(128))) for _ in range(PROMPTS)], object)
+    return np.repeat(uids, SAMPLES)
+
+
+def equal_but_distinct() -> np.ndarray:
+    """Equal strings, each an object of its own: pickle sends every one."""
+    return np.array([fresh("one answer, many times") for _ in range(PROMPTS * SAMPLES)], object)
+
+
+def interned_literals() -> np.ndarray:
+    """Short literals (the same object each time they are written) and interned strings."""
+    words = ["yes" if i % 3 else "no" for i in range(900)]
+    words += ["a", "", "\u00e9", "\u4e2d", sys.intern(fresh("interned-uid"))] * 60
+    return np.array(words, object)
+
+
+def f_order_2d() -> np.ndarray:
+    return np.asfortranarray(uid_column().reshape(PROMPTS, SAMPLES))
+
+
+def mixed() -> np.ndarray:
+    """Repeated objects, equal distinct objects, unique strings, empty and non-ASCII ones,
+    shuffled, in a non-contiguous view."""
+    rng = random.Random(1)
+    shared = [fresh(f"shared-\u00e9-{i}") for i in range(40)]
+    items = [rng.choice(shared) for _ in range(1200)]
+    items += [fresh("same text") for _ in range(300)]
+    items += [f"unique-{i}-\u4e2d" for i in range(300)] + ["", "x"] * 100
+    rng.shuffle(items)
+    return np.array(items, object).reshape(50, 40)[:, ::2]
+
+
+def scalar() -> np.ndarray:
+    arr = np.empty((), object)
+    arr[()] = fresh("a 0-d array")
+    return arr
+
+
+CASES: dict[str, Callable[[], np.ndarray]] = {
+    "uid-column": uid_column,
+    "equal-but-distinct": equal_but_distinct,
+    "interned-literals": interned_literals,
+    "f-order-2d": f_order_2d,
+    "mixed": mixed,
+    "0-d": scalar,
+}
+WRAPS: dict[str, Callable[[np.ndarray], Any]] = {
+    "top": lambda arr: arr,
+    "in-dict": lambda arr: {"uids": arr, "x": np.arange(1 << 17, dtype=np.float64)},
+}
+
+
+def test_the_cases_are_what_they_say() -> None:
+    """The cases cover both forms: repeated objects (an index) and distinct ones (none)."""
+    from refshare._wire.strings import strings_form
+
+    for name, make in CASES.items():
+        form = strings_form(make())
+        assert form is not None, name
+        repeats = name not in ("equal-but-distinct", "0-d")
+        assert (form.args[3] is not None) == repeats, name
+    column = uid_column()
+    assert column[0] is column[SAMPLES - 1] and column[0] is not column[SAMPLES]
+
+
+# -- what a worker receives -----------------------------------------------------------------
+
+
+def assert_received_alike(expected: Any, got: Any, what: str) -> None:
+    description, size, pattern = got
+    want_description, want_size, want_pattern = expected
+    found = first_difference(want_description, description)
+    assert found is None, f"{what}: {found[1]}"
+    assert pattern == want_pattern, f"{what}: identity pattern differs"
+    assert size == want_size, f"{what}: its strings pickle to {size} bytes, by value {want_size}"
+
+
+@pytest.mark.parametrize("deep", DEEP, ids=["top-level", "deep-auto", "deep"])
+@pytest.mark.parametrize("wrap", sorted(WRAPS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_received_as_by_value(receiver: Any, case: str, wrap: str, deep: bool | None) -> None:
+    """By value and through refshare (a put, then a hit), the worker sees the same: the
+    description, the identity pattern of the strings and the size of their pickle."""
+    value = WRAPS[wrap](CASES[case]())
+    with refshare.sharing(enabled=False):
+        expected = ray.get(receiver.observe.remote(value), timeout=120)
+    assert expected[2] == identity_pattern(the_strings(value))  # by value keeps the memo's
+    got = []
+    for _ in range(2):  # two blocks: a put, then a hit of the process-wide cache
+        with refshare.sharing(min_bytes=0, deep=deep):
+            got.append(ray.get(receiver.observe.remote(value), timeout=120))
+    stats = refshare.stats()
+    assert stats.puts >= 1 and stats.hits >= 1, stats  # it went through refshare
+    for i, received in enumerate(got):
+        assert_received_alike(expected, received, f"{case} {wrap} deep={deep}, send {i}")
+
+
+def test_the_uid_column_arrives_small(receiver: Any) -> None:
+    """verl's case in numbers: by value and through refshare, the worker's uids re-pickle to
+    a fraction of what as many distinct strings take."""
+    column = uid_column()
+    with refshare.sharing(min_bytes=0):
+        _, size, pattern = ray.get(receiver.observe.remote(column), timeout=120)
+    distinct = len(pickle.dumps([fresh(x) for x in column.tolist()]))
+    assert size == len(pickle.dumps(column.tolist())) and size * 4 < distinct
+    assert len(set(pattern)) == PROMPTS
+
+
+@pytest.mark.parametrize("deep", DEEP, ids=["top-level", "deep-auto", "deep"])
+def test_equal_text_other_aliasing_is_not_a_hit(receiver: Any, deep: bool | None) -> None:
+    """Arrays of one text, one repeating objects and one not, in one block; then in another
+    block the first again and the second changed in place to repeat an object (its text
+    unchanged): each worker gets what by value gives it."""
+    aliased = uid_column()
+    distinct = np.array([fresh(x) for x in aliased.tolist()], object)
+
+    def send(value: np.ndarray) -> Any:
+        return ray.get(receiver.observe.remote({"uids": value}), timeout=120)
+
+    with refshare.sharing(enabled=False):
+        expected = [send(aliased), send(distinct), send(aliased)]
+    with refshare.sharing(min_bytes=0, deep=deep):
+        got = [send(aliased), send(distinct)]
+    distinct[1] = distinct[0]
+    with refshare.sharing(enabled=False):
+        expected.append(send(distinct))
+    with refshare.sharing(min_bytes=0, deep=deep):
+        got += [send(aliased), send(distinct)]
+    for i, (want, have) in enumerate(zip(expected, got, strict=True)):
+        assert_received_alike(want, have, f"value {i}, deep={deep}")
+    assert expected[0][2] != expected[1][2] != expected[3][2]
+    assert refshare.stats().hits >= 1
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+
+def test_the_key_carries_the_aliasing() -> None:
+    """Same text, other aliasing: another key (pickle sends them differently). Same text and
+    same aliasing in other objects: the same key."""
+    aliased = uid_column()
+    distinct = np.array([fresh(x) for x in aliased.tolist()], object)
+    # The same pattern in objects of their own: each uid made afresh, repeated as before.
+    again = np.repeat(np.array([fresh(x) for x in aliased[::SAMPLES].tolist()], object), SAMPLES)
+    assert identity_pattern(again) == identity_pattern(aliased)
+    assert aliased.tolist() == distinct.tolist() == again.tolist()
+    assert fingerprint(aliased) == fingerprint(again) != fingerprint(distinct)
+    assert fingerprint(distinct) == fingerprint(np.array(distinct.tolist(), object))
+    big = np.zeros(1 << 17)
+    assert fingerprint({"uids": aliased, "x": big}) == fingerprint({"uids": again, "x": big})
+    assert fingerprint({"uids": aliased, "x": big}) != fingerprint({"uids": distinct, "x": big})
+    # One text, "xx yy xx yy", sent three ways: four objects, two, three.
+    x, y = fresh("xx"), fresh("yy")
+    texts = ([x, y, fresh(x), fresh(y)], [x, y, x, y], [x, y, fresh(x), y])
+    assert len({fingerprint(np.array(items, object)) for items in texts}) == 3
+    # One text and one set of distinct strings, "xx" twice: other elements are one object.
+    x2 = fresh(x)
+    assert fingerprint(np.array([x, x2, x, x2], object)) != fingerprint(
+        np.array([x, x2, x2, x], object)
+    )
+    a, b = fresh(x), fresh(y)
+    assert fingerprint(np.array([x, y, x, y], object)) == fingerprint(
+        np.array([a, b, a, b], object)
+    )
+    # Layouts: the F-order and the C-order array of one pattern are other arrays.
+    grid = aliased.reshape(PROMPTS, SAMPLES)
+    assert fingerprint(grid) != fingerprint(np.asfortranarray(grid))
+    assert fingerprint(np.asfortranarray(grid)) == fingerprint(np.asfortranarray(grid.copy()))
