@@ -1,9 +1,12 @@
-"""tensordict's ``TensorDict`` and non-tensor entries, as verl's legacy trainer sends them.
+"""tensordict's ``TensorDict``, as verl's legacy trainer sends them: sized, and split.
 
 tensordict registers its own reduction with ``copyreg``, which Ray's cloudpickle follows:
 a consolidated ``TensorDict`` (every chunk verl 0.9.1's dispatch puts) pickles as its
-metadata and one uint8 storage, any other as its attributes. ``NonTensorData`` and
-``NonTensorStack`` pickle as their state. Each is keyed by exactly what it pickles as.
+metadata and one uint8 storage, any other as its attributes. refshare's pickling pass
+follows the same reduction, so a ``TensorDict`` (and a ``NonTensorData`` or
+``NonTensorStack``, which pickle as their state) is keyed by exactly what it pickles as,
+with no reader of its own: whether a consolidated one's storage is still current (0.15
+re-consolidates a stale one, 0.10 sends it as it is) is tensordict's reduction's to say.
 """
 
 from __future__ import annotations
@@ -13,26 +16,14 @@ from typing import Any
 
 from .._deep import deep_reducers
 from .._keys.sizes import estimate_size, sizes, tensor_nbytes
-from .._keys.tables import builtin_fingerprints
 from .._wire import bootstrap
 from .._wire.tensors import element_bytes
 
 
 def _consolidated(td: Any) -> dict[str, Any] | None:
-    """The storage and metadata a consolidated ``TensorDict`` pickles as, else ``None``."""
+    """The storage and metadata a consolidated ``TensorDict`` keeps, else ``None``."""
     found = getattr(td, "_consolidated", None)
     return found if found and found.get("metadata") is not None else None
-
-
-@builtin_fingerprints.registers_lazy("tensordict._td", "TensorDict")
-def tensordict_fingerprint(td: Any) -> Any:
-    """A consolidated ``TensorDict``: its metadata and storage. Any other: its attributes,
-    in sorted order, since a ``clone()`` holds the same attributes in another order, which
-    the worker's unpickling cannot tell apart."""
-    consolidated = _consolidated(td)
-    if consolidated is not None:
-        return "consolidated", consolidated["metadata"], consolidated["storage"]
-    return sorted(td.__getstate__().items())
 
 
 @sizes.registers_lazy("tensordict._td", "TensorDict")
@@ -59,11 +50,16 @@ def consolidated_members(td: Any) -> Any:
     """A consolidated ``TensorDict`` reduced so that deep sharing sees each leaf: its storage
     cut at the leaves' bounds, each leaf's bytes a member of its own and the padding between
     them inline, so that a leaf one chunk shares with another (the same rows, sent to the
-    next worker group) is stored once. Any other ``TensorDict`` is pickled as usual."""
+    next worker group) is stored once. Only where tensordict's own reduction sends the
+    consolidated storage (it decides whether that is current); any other ``TensorDict`` is
+    pickled as usual."""
     if _consolidated(td) is None:
         return NotImplemented
     reduced: Any = copyreg.dispatch_table[type(td)](td)
-    rebuild, (metadata, storage) = reduced
+    rebuild, args = reduced
+    if getattr(rebuild, "__name__", "") != "_rebuild_tensordict_files_consolidated":
+        return NotImplemented  # not sent as its consolidated storage
+    metadata, storage = args
     flat = element_bytes(storage)
     pieces, at = [], 0
     for start, stop in _leaf_ranges(metadata):
@@ -73,17 +69,3 @@ def consolidated_members(td: Any) -> Any:
         at = stop
     pieces.append(flat[at:].tobytes())
     return bootstrap.rebuild_consolidated, (rebuild, metadata, pieces, flat.size)
-
-
-@builtin_fingerprints.registers_lazy("tensordict.tensorclass", "NonTensorData")
-def non_tensor_data_fingerprint(data: Any) -> Any:
-    """What a ``NonTensorData`` pickles as: its state, its empty ``TensorDict`` by the
-    attributes that one pickles as."""
-    state = data.__reduce_ex__(5)[2]
-    return state["tensordict"].__getstate__(), state["non_tensordict"]
-
-
-@builtin_fingerprints.registers_lazy("tensordict.tensorclass", "NonTensorStack")
-def non_tensor_stack_fingerprint(stack: Any) -> Any:
-    """What a ``NonTensorStack`` pickles as: its state (its items, each keyed as above)."""
-    return stack.__reduce_ex__(5)[2]

@@ -17,7 +17,7 @@ from .._deep import deep_reducers
 from .._keys.sizes import estimate_size, sizes
 from .._keys.tables import builtin_fingerprints
 from .._wire import bootstrap
-from .._wire.tensors import TensorElements
+from .._wire.tensors import TensorElements, plain_tensor
 from .framework import Framework, Target
 
 FRAMEWORK = Framework(
@@ -38,23 +38,48 @@ def _tensor_items(batch: Any) -> list[tuple[object, Any]]:
     return list(batch.items(include_nested=True, leaves_only=True))
 
 
+def _plain_entries(batch: Any) -> list[tuple[str, Any]] | None:
+    """The entries of a batch whose pickling refshare reads in full, in order, else
+    ``None``: an exact ``TensorDict``, not consolidated, every entry a plain tensor.
+
+    ``DataProto.__getstate__`` then ``torch.save``s a fresh ``contiguous().consolidate()``
+    of it, which holds exactly these entries' dtypes, shapes and elements, and the batch's
+    size, device and names. Anything else (a non-tensor entry, a nested or lazily stacked
+    ``TensorDict``, a tensor subclass or one with attributes, a consolidated batch, whose
+    consolidation may be reused as it is) is left to the exact path: Ray's pickle."""
+    tensordict = sys.modules.get("tensordict")
+    if type(batch) is not getattr(tensordict, "TensorDict", None):
+        return None
+    entries = getattr(batch, "_tensordict", None)
+    if type(entries) is not dict or getattr(batch, "_consolidated", None):
+        return None
+    if not all(type(key) is str and plain_tensor(t) for key, t in entries.items()):
+        return None
+    return list(entries.items())
+
+
+def _batch_layout(batch: Any) -> tuple[Any, ...]:
+    """What a consolidated batch's metadata says of the batch itself."""
+    names = batch.names if batch.batch_dims else None
+    return tuple(batch.batch_size), batch.device, names, batch.is_locked
+
+
 @builtin_fingerprints.registers_lazy("verl.protocol", "DataProto")
 def dataproto_fingerprint(data: Any) -> Any:
-    """What pickling a ``DataProto`` sends: ``batch.contiguous().consolidate()`` through
-    ``torch.save``, so each tensor's own elements (a chunk's rows, not its parent's
-    storage), and ``non_tensor_batch`` and ``meta_info``."""
+    """What pickling a ``DataProto`` sends: its batch as ``torch.save`` writes a fresh
+    consolidation of it (each tensor's own elements, not its parent's storage), and
+    ``non_tensor_batch`` and ``meta_info``; ``NotImplemented`` for a batch refshare does
+    not read in full (see ``_plain_entries``) or verl's numpy serialization."""
+    if os.getenv("VERL_DATAPROTO_SERIALIZATION_METHOD") == "numpy":
+        return NotImplemented
     batch = data.batch
     if batch is not None:
-        names = getattr(batch, "names", None) if batch.batch_dims else None
-        batch = (
-            type(batch).__qualname__,
-            tuple(batch.batch_size),
-            str(batch.device),
-            tuple(names) if names is not None else None,
-            [(key, TensorElements(tensor)) for key, tensor in _tensor_items(batch)],
-        )
-    method = os.getenv("VERL_DATAPROTO_SERIALIZATION_METHOD")
-    return method, batch, data.non_tensor_batch, data.meta_info
+        entries = _plain_entries(batch)
+        if entries is None:
+            return NotImplemented
+        tensors = [(key, TensorElements(tensor)) for key, tensor in entries]
+        batch = (_batch_layout(batch), tensors)
+    return batch, data.non_tensor_batch, data.meta_info
 
 
 @sizes.registers_lazy("verl.protocol", "DataProto")
@@ -82,15 +107,18 @@ def _consolidates() -> bool:
 def dataproto_members(data: Any) -> Any:
     """A ``DataProto`` reduced so that deep sharing sees its tensors: each is sent with its
     own elements, and the worker's batch is consolidated where the ``DataProto``'s own
-    pickling would have consolidated it, so it receives what it receives by value."""
+    pickling would have consolidated it, so it receives what it receives by value. Only
+    a batch read in full (see ``_plain_entries``) and unlocked, which the rebuild makes
+    anew; any other ``DataProto`` is stored whole."""
     batch = data.batch
-    if os.getenv("VERL_DATAPROTO_SERIALIZATION_METHOD") == "numpy":
-        return NotImplemented  # verl's own numpy layout: sent whole
-    if batch is None or any(isinstance(key, tuple) for key, _ in _tensor_items(batch)):
-        return NotImplemented  # nested keys: sent whole
-    names = getattr(batch, "names", None) if batch.batch_dims else None
-    tensors = {key: TensorElements(tensor) for key, tensor in _tensor_items(batch)}
+    if os.getenv("VERL_DATAPROTO_SERIALIZATION_METHOD") == "numpy" or batch is None:
+        return NotImplemented
+    entries = _plain_entries(batch)
+    if entries is None or batch.is_locked:
+        return NotImplemented
+    names = batch.names if batch.batch_dims else None
+    tensors = {key: TensorElements(tensor) for key, tensor in entries}
     parts = (tensors, tuple(batch.batch_size), batch.device, names)
-    consolidate = _consolidates() and len(batch.keys()) > 0
+    consolidate = _consolidates() and len(entries) > 0
     state = (type(data), parts, data.non_tensor_batch, data.meta_info, consolidate)
     return bootstrap.rebuild_dataproto, state

@@ -148,13 +148,15 @@ def rebuild_consolidated(rebuild: Any, metadata: Any, pieces: list[Any], nbytes:
     import numpy as np
     import torch
 
-    storage = torch.empty(nbytes, dtype=torch.uint8)
-    at = storage.data_ptr()
+    memory = torch.UntypedStorage(nbytes)
+    at = memory.data_ptr()
     for piece in pieces:
         source = np.frombuffer(piece, dtype=np.uint8)
         if source.size:
             ctypes.memmove(at, source.ctypes.data, source.size)
         at += source.size
+    # As torch's unpickling makes the storage tensor: set_ on the storage (version 1).
+    storage = torch.empty(0, dtype=torch.uint8).set_(memory, 0, (nbytes,), (1,))
     return rebuild(metadata, storage)
 
 

@@ -76,6 +76,20 @@ def pickled_as_storage(t: Any, with_state: bool = False) -> bool:
     )
 
 
+def plain_tensor(t: Any) -> bool:
+    """Whether ``t`` is a tensor a reader reads in full from its dtype, shape, strides,
+    ``requires_grad`` and bytes: an exact ``torch.Tensor`` that torch pickles as its
+    storage (see :func:`pickled_as_storage`), without attributes of its own, and with
+    neither its conjugate nor its negative bit set."""
+    torch = sys.modules.get("torch")
+    return (
+        torch is not None
+        and type(t) is torch.Tensor
+        and pickled_as_storage(t)
+        and not (t.is_conj() or t.is_neg())
+    )
+
+
 def _serializer_of_ours() -> bool:
     """Whether Ray sends tensors through torch's pickling, or through its own zero-copy
     reducer (``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``), where refshare's form is what keeps

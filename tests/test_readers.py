@@ -1,0 +1,207 @@
+"""The batch readers are allow-lists: against the real verl 0.9.1 and tensordict, each case a
+hostile user would try arrives as by value, in all three deep modes, across calls and within
+one call, with verify on finding no mismatch. Runs where verl and tensordict import."""
+
+from __future__ import annotations
+
+import copyreg
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import ray
+from differential_kit import Probe, first_difference
+
+import refshare
+
+torch = pytest.importorskip("torch")
+tensordict = pytest.importorskip("tensordict")
+protocol = pytest.importorskip("verl.protocol")
+
+from tensordict import NonTensorStack, TensorDict  # noqa: E402
+from verl.protocol import DataProto  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
+
+DEEP = (False, None, True)
+ROWS = 16
+
+
+@pytest.fixture(scope="module")
+def probes(local_ray: None) -> list[Any]:
+    group = [Probe.remote() for _ in range(2)]
+    ray.get([p.ping.remote() for p in group])
+    return group
+
+
+def tensors(seed: int = 0) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, 1000, (ROWS, 128), generator=generator),
+        "mask": torch.ones(ROWS, 128, dtype=torch.bool),
+    }
+
+
+def dataproto(batch: Any, **non_tensor: Any) -> Any:
+    return DataProto(batch=batch, non_tensor_batch=dict(non_tensor), meta_info={"step": 1})
+
+
+def by_value(probes: list[Any], value: Any) -> list[Any]:
+    return ray.get([p.describe.remote(value) for p in probes])
+
+
+def assert_as_by_value(probes: list[Any], make: list[Callable[[], Any]], deep: Any) -> None:
+    """Send each value made, in order, by value and through refshare: across calls (one
+    block each, the cache shared) and within one call (one block for all of them)."""
+    expected = [by_value(probes, build()) for build in make]
+    for build, want in zip(make, expected, strict=True):
+        with refshare.sharing(min_bytes=1 << 10, deep=deep, verify=True):
+            got = ray.get([p.describe.remote(build()) for p in probes])
+        assert got == want, first_difference(got[0], want[0])
+    with refshare.sharing(min_bytes=1 << 10, deep=deep, verify=True):
+        for build, want in zip(make, expected, strict=True):
+            got = ray.get([p.describe.remote(build()) for p in probes])
+            assert got == want, first_difference(got[0], want[0])
+    assert refshare.stats().mismatches == 0
+
+
+def with_non_tensor(value: Any) -> Callable[[], Any]:
+    def build() -> Any:
+        batch = TensorDict(tensors(), batch_size=[ROWS])
+        batch.set_non_tensor("flag", value)
+        return dataproto(batch)
+
+    return build
+
+
+@pytest.mark.parametrize("deep", DEEP)
+def test_a_non_tensor_entry_is_never_left_out_of_the_key(probes: list[Any], deep: Any) -> None:
+    make = [with_non_tensor(v) for v in ("first", "second", 1, 1.0)]
+    assert_as_by_value(probes, make, deep)
+
+
+@pytest.mark.parametrize("deep", DEEP)
+def test_a_non_tensor_stack_arrives(probes: list[Any], deep: Any) -> None:
+    def build(words: str) -> Callable[[], Any]:
+        def make() -> Any:
+            batch = TensorDict(tensors(), batch_size=[ROWS])
+            batch["words"] = NonTensorStack(*[words] * ROWS, batch_size=[ROWS])
+            return dataproto(batch)
+
+        return make
+
+    assert_as_by_value(probes, [build("wxyz"), build("abcd")], deep)
+
+
+@pytest.mark.parametrize("deep", DEEP)
+def test_a_nested_tensordict_keeps_its_own_size_and_names(probes: list[Any], deep: Any) -> None:
+    def build(inner_size: list[int], names: list[str] | None) -> Callable[[], Any]:
+        def make() -> Any:
+            inner = TensorDict(
+                {"x": torch.arange(ROWS * 64.0).reshape(ROWS, 64)}, batch_size=inner_size
+            )
+            if names is not None:
+                inner.names = names
+            batch = TensorDict({**tensors(), "inner": inner}, batch_size=[ROWS])
+            return dataproto(batch)
+
+        return make
+
+    make = [build([ROWS], None), build([ROWS, 64], None), build([ROWS], ["rows"])]
+    assert_as_by_value(probes, make, deep)
+
+
+class WithTag(DataProto):  # type: ignore[misc]
+    """A subclass whose own pickling sends a tag the base class knows nothing of."""
+
+    def __getstate__(self) -> Any:
+        return super().__getstate__(), getattr(self, "tag", None)
+
+    def __setstate__(self, state: Any) -> None:
+        base, self.tag = state
+        super().__setstate__(base)
+
+
+class ThroughCopyreg(DataProto):  # type: ignore[misc]
+    """A subclass pickled through copyreg, with a tag."""
+
+
+def _reduce_through_copyreg(data: ThroughCopyreg) -> tuple[Any, ...]:
+    return _rebuild_through_copyreg, (data.batch, data.non_tensor_batch, data.tag)
+
+
+def _rebuild_through_copyreg(batch: Any, non_tensor: Any, tag: Any) -> ThroughCopyreg:
+    data = ThroughCopyreg(batch=batch, non_tensor_batch=non_tensor, meta_info={})
+    data.tag = tag
+    return data
+
+
+copyreg.pickle(ThroughCopyreg, _reduce_through_copyreg)
+
+
+@pytest.mark.parametrize("cls", [WithTag, ThroughCopyreg])
+@pytest.mark.parametrize("deep", DEEP)
+def test_a_subclass_with_pickling_of_its_own_is_not_read_as_its_base(
+    probes: list[Any], deep: Any, cls: type
+) -> None:
+    def build(tag: str) -> Callable[[], Any]:
+        def make() -> Any:
+            data = cls(batch=TensorDict(tensors(), batch_size=[ROWS]), meta_info={})
+            data.tag = tag
+            return data
+
+        return make
+
+    assert_as_by_value(probes, [build("first"), build("second")], deep)
+
+
+class Plain(DataProto):  # type: ignore[misc]
+    """A subclass that pickles as its base: read as one."""
+
+
+def test_a_subclass_that_pickles_as_its_base_is_read_as_one() -> None:
+    from refshare._keys.tables import builtin_fingerprints
+
+    assert builtin_fingerprints.lookup(Plain) is builtin_fingerprints.lookup(DataProto)
+    assert builtin_fingerprints.lookup(WithTag) is None
+    assert builtin_fingerprints.lookup(ThroughCopyreg) is None
+
+
+@pytest.mark.parametrize("deep", DEEP)
+def test_a_consolidated_tensordict_whose_entries_moved_on_arrives_as_by_value(
+    probes: list[Any], deep: Any
+) -> None:
+    """Unpickled, a consolidated TensorDict keeps its consolidated storage; tensordict
+    decides whether its pickle sends it (0.10: as it is; 0.15: consolidated again)."""
+
+    def unpickled() -> Any:
+        return pickle.loads(pickle.dumps(TensorDict(tensors(), batch_size=[ROWS]).consolidate()))
+
+    def replaced() -> Any:
+        td = unpickled()
+        td["input_ids"] = torch.zeros(ROWS, 128, dtype=torch.int64)
+        return td
+
+    def added() -> Any:
+        td = unpickled()
+        td["extra"] = torch.full((ROWS, 64), 7.0)
+        return td
+
+    def deleted() -> Any:
+        td = unpickled()
+        del td["mask"]
+        return td
+
+    assert_as_by_value(probes, [unpickled, replaced, added, deleted], deep)
+    assert_as_by_value(probes, [lambda: dataproto(f()) for f in (replaced, added)], deep)
+
+
+@pytest.mark.parametrize("deep", DEEP)
+def test_chunks_of_a_batch_arrive_as_by_value(probes: list[Any], deep: Any) -> None:
+    def chunks() -> list[Any]:
+        data = dataproto(TensorDict(tensors(), batch_size=[ROWS]))
+        return data.chunk(4)
+
+    make = [lambda i=i: chunks()[i] for i in range(4)]
+    assert_as_by_value(probes, make, deep)
