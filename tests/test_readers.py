@@ -194,7 +194,7 @@ def test_a_consolidated_tensordict_whose_entries_moved_on_arrives_as_by_value(
         return td
 
     assert_as_by_value(probes, [unpickled, replaced, added, deleted], deep)
-    assert_as_by_value(probes, [lambda: dataproto(f()) for f in (replaced, added)], deep)
+    assert_as_by_value(probes, [lambda f=f: dataproto(f()) for f in (replaced, added)], deep)
 
 
 @pytest.mark.parametrize("deep", DEEP)

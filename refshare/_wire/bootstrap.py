@@ -148,7 +148,7 @@ def rebuild_consolidated(rebuild: Any, metadata: Any, pieces: list[Any], nbytes:
     import numpy as np
     import torch
 
-    memory = torch.UntypedStorage(nbytes)
+    memory = torch.UntypedStorage(nbytes)  # type: ignore[no-untyped-call]
     at = memory.data_ptr()
     for piece in pieces:
         source = np.frombuffer(piece, dtype=np.uint8)
