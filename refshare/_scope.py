@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 from ray import ObjectRef
 
@@ -20,9 +20,9 @@ from ._admission import Admission, Splitting
 from ._cache import RefCache, scope_budget
 from ._deep import Bundled, NotSplittable, Skeleton, Split, bundled_key, split
 from ._keys import Key, Keyed, Memo, identify
-from ._keys.pickler import learn_pickling, pickles_alike, runs_own_pickling
+from ._keys.pickler import learn_pickling, pickles_alike, pickling_classes, runs_own_pickling
 from ._keys.sizes import SCALARS, estimate_size, measure
-from ._keys.structure import StampedMemo
+from ._keys.structure import StampedMemo, structure_stamp
 from ._keys.tables import leaf_digests, user_fingerprints
 from ._options import Options
 from ._ray.session import current_session, stored_bytes
@@ -31,6 +31,15 @@ from ._verify import verifier, verify_by_env
 from ._wire.serialized import PickleOnPut, bundle_form, stored_form
 
 logger = logging.getLogger("refshare")
+
+
+class Pickled(NamedTuple):
+    """A value keyed by its own pickle, within one scope: its key, what it weighs, and the
+    classes whose pickling decides whether it pickles alike again."""
+
+    key: Key
+    nbytes: int
+    classes: frozenset[type]
 
 
 class Scope:
@@ -350,20 +359,23 @@ class Scope:
 
         A value that had to be pickled to be keyed is stored as that pickle and weighs what
         it pickled to; within this scope it is not pickled again while its structure stamp
-        holds, once its class has shown that pickling an unchanged value gives the same
-        bytes (see :func:`pickles_alike`)."""
-        kept: Keyed | None = self.pickled.get(value)
-        if kept is not None and pickles_alike(type(value)):
-            return kept._replace(stored=value)
+        holds, once each class whose pickling it runs has shown that pickling an unchanged
+        value gives the same bytes (see :func:`pickles_alike`)."""
+        kept: Pickled | None = self.pickled.get(value)
+        if kept is not None and pickles_alike(kept.classes):
+            return Keyed(kept.key, value, kept.nbytes)
         found = identify(value, self.memo, self.reuse)
         if found is None:
             return None
         if found.serialized is not None:
             nbytes = found.serialized.nbytes
         if kept is not None:
-            learn_pickling(type(value), alike=found.key == kept.key)
+            learn_pickling(kept.classes, alike=found.key == kept.key)
         if found.costly:
-            self.pickled.keep(value, Keyed(found.key, None, nbytes))
+            stamp = structure_stamp(value)
+            if stamp is not None:
+                classes = pickling_classes(value, stamp.held)
+                self.pickled.keep(value, Pickled(found.key, nbytes, classes), stamp)
         if found.serialized is not None:
             return Keyed(found.key, found.serialized, nbytes)
         return Keyed(found.key, PickleOnPut(value) if found.tensors else value, nbytes)

@@ -290,3 +290,44 @@ def test_a_large_array_changed_between_two_calls_arrives_new(
         by_value.append(ray.get(probe.describe.remote(value), timeout=60))
     assert by_value[0] != by_value[1]
     assert_received_as_by_value(shared, by_value)
+
+
+class Serial:
+    """Pickles with a new serial each time, as a class whose pickling is not deterministic."""
+
+    count = 0
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        Serial.count += 1
+        return _with_serial, (self.data, Serial.count)
+
+
+def _with_serial(data: np.ndarray, serial: int) -> tuple[str, int]:
+    return "serial", serial
+
+
+class Alike:
+    """Pickles alike each time, through code of its own."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Alike, (self.data,)
+
+
+def test_a_pickle_kept_within_a_call_vouches_only_for_classes_seen_to_pickle_alike(
+    probe: Any,
+) -> None:
+    """A dict that pickled alike twice says nothing of a dict holding another class: each
+    send of the second pickles it again, as by value does, with a new serial each time."""
+    with refshare.sharing():
+        taught = {"x": Alike(large())}
+        ray.get([probe.describe.remote(taught) for _ in range(3)])  # dict and Alike: alike
+        value = {"x": Serial(large())}
+        got = [ray.get(probe.describe.remote(value)) for _ in range(3)]
+    serials = [description[0][1] for description in got]
+    assert len(set(map(repr, serials))) == 3, serials  # three pickles, as by value

@@ -287,19 +287,30 @@ def fingerprint(obj: object, memo: Memo | None = None, reuse: bool = False) -> K
 _pickling_alike: dict[type, bool] = {}
 
 
-def pickles_alike(cls: type) -> bool:
-    """Whether an unchanged value of ``cls`` may be sent again as the pickle made of it
-    before: known once one value of ``cls`` was pickled twice (see ``Scope.key``)."""
-    return _pickling_alike.get(cls, False)
+def pickling_classes(value: object, held: list[object]) -> frozenset[type]:
+    """The classes whose pickling decides whether ``value`` pickles alike twice: its own,
+    and every class among the objects ``held`` in it (a structure walk's) that runs
+    pickling code of its own. A dict that pickles alike says nothing of the next dict."""
+    found = {type(value)}
+    found.update(cls for cls in map(type, held) if runs_own_pickling(cls))
+    return frozenset(found)
 
 
-def learn_pickling(cls: type, alike: bool) -> None:
-    """Record whether pickling an unchanged value of ``cls`` twice gave the same bytes. A
-    class that did not is pickled on every submission, as by value."""
-    if _pickling_alike.get(cls) is not False:
-        if len(_pickling_alike) >= 4096:
-            _pickling_alike.clear()
-        _pickling_alike[cls] = alike
+def pickles_alike(classes: frozenset[type]) -> bool:
+    """Whether an unchanged value made of ``classes`` (see :func:`pickling_classes`) may be
+    sent again as the pickle made of it before: once each class was seen to pickle an
+    unchanged value twice to the same bytes (see ``Scope.key``)."""
+    return all(_pickling_alike.get(cls, False) for cls in classes)
+
+
+def learn_pickling(classes: frozenset[type], alike: bool) -> None:
+    """Record whether pickling an unchanged value made of ``classes`` twice gave the same
+    bytes. A class that did not is pickled on every submission, as by value."""
+    if len(_pickling_alike) >= 4096:
+        _pickling_alike.clear()
+    for cls in classes:
+        if _pickling_alike.get(cls) is not False:
+            _pickling_alike[cls] = alike
 
 
 def forget_pickling() -> None:

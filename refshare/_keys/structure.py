@@ -207,7 +207,9 @@ class StampedMemo:
     def clear(self) -> None:
         self.entries.clear()
 
-    def keep(self, value: object, result: Any) -> None:
-        stamp = structure_stamp(value)
+    def keep(self, value: object, result: Any, stamp: StructureStamp | None = None) -> None:
+        """Keep ``result`` for ``value`` under its structure stamp (``stamp``, if the caller
+        took it already)."""
+        stamp = structure_stamp(value) if stamp is None else stamp
         if stamp is not None:
             self.entries[id(value)] = _Kept(value, stamp, result)
