@@ -13,8 +13,8 @@ its remote batch (since v0.3.0) and its ``meta_info``. It is keyed by exactly th
 the tensors lie: each tensor by its whole storage and layout (as ``torch.save`` writes it),
 and which tensors share a storage (``torch.save`` writes a storage once, so they arrive
 aliased). Whatever this reading cannot vouch for (the consolidating gate True, a remote
-batch, an entry other than a plain tensor, a subclass pickling its own way) is keyed by
-its pickle, as any value with pickling code of its own is.
+batch, an entry other than a plain tensor) is keyed by its pickle, as any value with
+pickling code of its own is; a subclass pickling its own way is never read as one.
 """
 
 from __future__ import annotations
@@ -51,20 +51,20 @@ PROTOCOL = "roll.distributed.scheduler.protocol"
 FIELDS = ("_batch", "_non_tensor_batch", "_remote_batch", "meta_info")
 OLD_FIELDS = ("batch", "non_tensor_batch", "meta_info")
 
-#: Pickling hooks a subclass could replace ``__getstate__`` with.
-_REDUCERS = ("__reduce_ex__", "__reduce__")
 _layouts: dict[type, tuple[type, tuple[str, ...]] | None] = {}
 
 
 def _read_layout(cls: type) -> tuple[type, tuple[str, ...]] | None:
+    """Which of ROLL's two layouts ``cls`` pickles as. (A subclass pickling its own way
+    never gets here: the type tables read only subclasses that pickle as the registered
+    class, see ``refshare._rules``.)"""
     owner = next((base for base in cls.__mro__ if "__getstate__" in vars(base)), None)
     if (
         owner is None
         or (owner.__module__, owner.__qualname__) != (PROTOCOL, "DataProto")
         or "__setstate__" not in vars(owner)
-        or any(getattr(cls, name) is not getattr(object, name) for name in _REDUCERS)
     ):
-        return None  # a subclass that pickles in a way of its own
+        return None
     if isinstance(vars(owner).get("batch"), property):
         return owner, FIELDS
     if dataclasses.is_dataclass(owner):

@@ -59,9 +59,10 @@ FRAMEWORK = Framework(
 BATCH_MODULE = "skyrl.backends.skyrl_train.training_batch"
 OLD_BATCH_MODULE = "skyrl_train.training_batch"
 
-#: What a batch's pickling runs: refshare's reading of it holds only while a subclass
-#: leaves all of these as ``TensorBatch`` defines them.
-_PICKLING = ("__reduce_ex__", "__reduce__", "__getstate__", "contiguous", "__setitem__", "items")
+#: What a batch's pickling calls besides its pickling hooks (which only a subclass that
+#: pickles as ``TensorBatch`` inherits, see ``refshare._rules``): refshare's reading of it
+#: holds only while a subclass leaves these as ``TensorBatch`` defines them too.
+_PICKLING = ("contiguous", "__setitem__", "items")
 
 
 def _base(cls: type) -> type:
