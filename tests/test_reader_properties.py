@@ -140,7 +140,9 @@ def build(recipe: Recipe) -> Any:
 
 
 NAMES = st.sampled_from(["a", "b", "c"])
-ENTRY = st.tuples(NAMES, st.sampled_from(sorted(DTYPES)), st.sampled_from([1, 3]), st.integers(0, 2))
+ENTRY = st.tuples(
+    NAMES, st.sampled_from(sorted(DTYPES)), st.sampled_from([1, 3]), st.integers(0, 2)
+)
 RECIPES = st.builds(
     Recipe,
     rows=st.sampled_from([2, 4]),
