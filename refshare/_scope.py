@@ -9,6 +9,7 @@ the cache, or put in its stored form (see ``refshare._wire``).
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import threading
 from typing import Any, NamedTuple
@@ -31,6 +32,15 @@ from ._verify import verifier, verify_by_env
 from ._wire.serialized import PickleOnPut, bundle_form, stored_form
 
 logger = logging.getLogger("refshare")
+
+
+class Route(enum.Enum):
+    """How an argument is sent (see :meth:`Scope.route`)."""
+
+    WHOLE = "keyed whole: looked up, or put"
+    COLD = "put as it is, not keyed: its kind has not repeated lately"
+    SPLIT = "split: its large members stored one by one, and a skeleton naming them"
+    PROBE = "split to look: whole, unless a member was sent before"
 
 
 class Pickled(NamedTuple):
@@ -159,25 +169,24 @@ class Scope:
 
     def store_argument(self, value: Any, nbytes: int, fallback: Any, put: bool = False) -> Any:
         """The ref of a task's argument or a ``ray.put``'s value: whole, or its large members
-        one by one and a skeleton naming them (deep sharing).
+        one by one and a skeleton naming them (deep sharing), as :meth:`route` decides.
 
-        By default (``deep=None``) a value is split where that saves work: where one of its
-        members was sent before, or where values of its kind (its type and size, see
-        ``refshare._admission``) have had members sent again later; else it is stored
-        whole, in one put. A skeleton too small to store, or holding refs or handles, is
-        returned, to travel with its task; for a ``ray.put`` (``put``), a skeleton is always
-        stored, and one holding refs or handles is left to Ray's own put.
+        A value split to probe it (``Route.PROBE``) is stored whole unless one of its members
+        was sent before (or the very content was stored whole before). A skeleton too small
+        to store, or holding refs or handles, is returned, to travel with its task; for a
+        ``ray.put`` (``put``), a skeleton is always stored, and one holding refs or handles
+        is left to Ray's own put.
         """
         kind = _admission.kind(value, nbytes)
         admission = self.cache.admission if self.cache is not None else None
-        if self.deep is False or leaf_digests.exact(type(value)) is not None:
+        way = self.route(value, kind, admission)
+        if way is Route.WHOLE:
             return self.store(value, nbytes, fallback, admission, kind)
-        if self.deep is None and user_fingerprints.lookup(type(value)) is not None:
-            return self.store(value, nbytes, fallback, admission, kind)  # keyed as taught
-        learned = self.splitting
-        deep = self.deep is True or learned.repeats(kind)
-        if not deep and admission is not None and not admission.keyed(kind):
+        if way is Route.COLD:
+            assert admission is not None  # only the admission says cold
             return self.store_cold(value, nbytes, fallback, admission, kind)
+        deep = way is Route.SPLIT
+        learned = self.splitting
         found = self.split(value)
         if found is not None and found.result is not None:
             return found.result  # this very value, split and stored before in this call
@@ -206,6 +215,27 @@ class Scope:
         if result is not fallback:
             found.result = result
         return result
+
+    def route(self, value: Any, kind: _admission.Kind, admission: Admission | None) -> Route:
+        """How an argument is sent, decided before anything is split: the first rule that
+        applies, in this order (the admission is asked last: asking counts a probe).
+
+        - ``deep=False``, or a leaf (an array, a tensor, bytes, a str): ``WHOLE``;
+        - ``deep=None`` and a type taught by ``register_fingerprint``: ``WHOLE``;
+        - ``deep=True``, or its kind has had members sent again: ``SPLIT``;
+        - its kind has not repeated lately (see ``refshare._admission``): ``COLD``;
+        - anything else: ``PROBE``.
+        """
+        cls = type(value)
+        if self.deep is False or leaf_digests.exact(cls) is not None:
+            return Route.WHOLE
+        if self.deep is None and user_fingerprints.lookup(cls) is not None:
+            return Route.WHOLE
+        if self.deep is True or self.splitting.repeats(kind):
+            return Route.SPLIT
+        if admission is not None and not admission.keyed(kind):
+            return Route.COLD
+        return Route.PROBE
 
     def store_split(self, found: Split, fallback: Any, inline: bool) -> Any:
         """Store each member of ``found`` by content (several that no scope or cache holds

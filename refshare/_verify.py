@@ -60,7 +60,7 @@ def _describe_array(arr: Any) -> tuple[Any, tuple[Any, ...]]:
     dtype described by value: unpickled apart, two members' dtypes are two objects where
     one pickle of both makes one, a difference nothing but ``is`` can see."""
     dtype = arr.dtype
-    token = dtype.str if dtype.isbuiltin == 1 else pickle.dumps(dtype, protocol=5)
+    token = pickle.dumps(dtype, protocol=5)  # all of it: metadata, byte order, fields
     flags = arr.flags
     order = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
     head = (token, arr.shape, order, flags.writeable)
