@@ -815,8 +815,10 @@ def main() -> None:
         show(f"enable('roll') wrapped {result['wrapped']}", result)
         # By value, each rank of each cluster pickles its chunk: 3 clusters x TP ranks.
         assert [c for _, c in result["plain"]] == [[3 * TP] * DP] * 2, result["plain"]
-        # Through refshare: each distinct chunk pickled and stored once, then not again.
-        assert [c for _, c in result["shared"]] == [[1] * DP, [0] * DP], result["shared"]
+        # Through refshare: each distinct chunk pickled and stored once, then not again
+        # (verify mode serializes each argument by value too, to check it).
+        if os.environ.get("REFSHARE_VERIFY", "") != "1":
+            assert [c for _, c in result["shared"]] == [[1] * DP, [0] * DP], result["shared"]
         assert [row.get("puts", 0) for row, _ in result["shared"]] == [DP, 0], result["shared"]
         print(refshare.stats())
     finally:

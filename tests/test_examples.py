@@ -72,10 +72,17 @@ def runs() -> Iterator[dict[tuple[Path, bool], Future[subprocess.CompletedProces
         }
 
 
+#: What ``stats()`` prints of verify's mismatches.
+MISMATCHES = re.compile(r"mismatches=(\d+)")
+
+
 def check(result: subprocess.CompletedProcess[str]) -> None:
     output = f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr[-5000:]}"
     assert result.returncode == 0, output
     assert STATS_LINE.search(result.stdout), output
+    # Under REFSHARE_VERIFY=1 (CI runs the examples so once), every example is verified.
+    assert "refshare verify:" not in result.stderr, output
+    assert set(MISMATCHES.findall(result.stdout)) <= {"0"}, output
 
 
 def test_examples_exist() -> None:

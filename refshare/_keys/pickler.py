@@ -147,6 +147,7 @@ class _FingerprintPickler(pickle.Pickler):
         self.reuse = reuse
         self.strict = strict
         self.tensors = False  # whether a tensor was hashed as torch's pickling sends it
+        self.classes: dict[type, object] = {}  # see class_key
         super().__init__(self.stream, protocol=5, buffer_callback=self._hash_buffer)
 
     def _hash_buffer(self, buffer: pickle.PickleBuffer) -> None:
@@ -175,7 +176,7 @@ class _FingerprintPickler(pickle.Pickler):
         if known is not None:
             content = known(obj)
             if content is not NotImplemented:  # else not read in full: the exact path
-                return _from_user_fingerprint, (f"{cls.__module__}.{cls.__qualname__}", content)
+                return _from_user_fingerprint, (self.class_key(cls), content)
         if (isinstance(obj, type) or cls is types.FunctionType) and sent_by_value(obj):
             if cls is types.FunctionType:
                 raise Unfingerprintable(f"function {obj.__qualname__} is sent as code")
@@ -183,6 +184,15 @@ class _FingerprintPickler(pickle.Pickler):
         if self.strict and runs_own_pickling(cls):
             raise NeedsSerializing(cls.__qualname__)
         return NotImplemented
+
+    def class_key(self, cls: type) -> object:
+        """What a reader's content is keyed with of its class: the name Ray sends it by,
+        or for a class Ray sends as code, that code (its attributes and globals too)."""
+        found = self.classes.get(cls)
+        if found is None:
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            found = self.classes[cls] = _class_digest(cls) if sent_by_value(cls) else name
+        return found
 
     def key(self) -> Key:
         head = self.stream.hasher
