@@ -12,6 +12,7 @@ import itertools
 import pickle
 import struct
 import sys
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -139,6 +140,9 @@ class _Describer:
             factory = getattr(value, "default_factory", None)
             extra = None if factory is None else _qualname(factory)
             return (_qualname(cls), items, extra, self.state(value))
+        if isinstance(value, weakref.ref):  # its address is no content: what it points to
+            target = value()
+            return ("weakref", None if target is None else self.visit(target))
         state = self.state(value)
         if not state and not hasattr(value, "__dict__"):
             state = [("repr", repr(value)[:200])]  # a C-level value: Decimal, datetime
