@@ -230,3 +230,39 @@ def test_a_worker_receives_what_it_receives_by_value(probes: list[Any], deep: An
         assert refshare.stats().mismatches == 0
 
     check()
+
+
+# -- ROLL's DataProto (its mirror, or ROLL itself where it imports) --------------------------
+
+
+def _roll_dataproto() -> Any:
+    """ROLL's ``DataProto`` class, as test_roll.py publishes its mirror (or ROLL's own)."""
+    import importlib
+    import os
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import roll_style
+
+    os.environ.setdefault("ROLL_LOG_DIR", os.path.join(tempfile.gettempdir(), "roll-test-logs"))
+    if not roll_style.roll_is_installed() and "roll" not in sys.modules:
+        roll_style.publish_as_roll()
+    return importlib.import_module("roll.distributed.scheduler.protocol").DataProto
+
+
+@SETTINGS
+@given(pair=pairs())
+def test_roll_equal_keys_mean_equal_by_value_serializations(pair: tuple[Recipe, Recipe]) -> None:
+    roll = _roll_dataproto()
+
+    def build_roll(recipe: Recipe) -> Any:
+        data = build(recipe)
+        return roll(data.batch, data.non_tensor_batch, None, data.meta_info)
+
+    (key_a, digest_a), (key_b, digest_b) = map(key_and_digest, map(build_roll, pair))
+    if key_a is not None and key_a == key_b:
+        assert digest_a == digest_b, pair
+    if pair[0] == pair[1] and digest_a is not None:
+        assert key_a == key_b is not None
