@@ -112,14 +112,7 @@ def storable_as_bytes(t: Any) -> bool:
     """Whether refshare stores ``t`` as its storage's bytes: a plain tensor that Ray would
     send through torch's pickling (or its zero-copy reducer), whose conjugate and negative
     bits are unset. The worker then gets a tensor on memory of its own."""
-    torch = sys.modules.get("torch")
-    return (
-        torch is not None
-        and type(t) is torch.Tensor
-        and pickled_as_storage(t)
-        and not (t.is_conj() or t.is_neg())
-        and _serializer_of_ours()
-    )
+    return plain_tensor(t) and _serializer_of_ours()
 
 
 class TensorBytes:
