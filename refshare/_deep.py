@@ -25,7 +25,7 @@ from ._keys.pickler import runs_own_pickling
 from ._keys.sizes import estimate_size
 from ._keys.tables import Key, Keyed, leaf_digests
 from ._ray.pickling import ship_by_value
-from ._rules import pickles_as, pickling_epoch
+from ._rules import pickles_as
 from ._wire import bootstrap
 from ._wire.serialized import native_split, pickler_classes, ray_handle_types
 
@@ -38,7 +38,7 @@ KeyFn = Callable[[Any, int], "Keyed | None"]
 #: ``torch.save``s its batch), each with a reduction that shows them, or ``NotImplemented``
 #: where the worker's rebuild would not reproduce the value exactly (it is stored whole).
 #: A subclass is reduced so only if it pickles as the registered class (``refshare._rules``).
-deep_reducers: TypeTable[Callable[[Any], Any]] = TypeTable(pickles_as, pickling_epoch)
+deep_reducers: TypeTable[Callable[[Any], Any]] = TypeTable(pickles_as)
 
 
 @dataclass

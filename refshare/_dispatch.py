@@ -22,19 +22,15 @@ class TypeTable(Generic[V]):
     by the program: refshare never imports a package the user's own code has not.
 
     ``applies`` restricts what :meth:`lookup` finds: an entry registered for a class
-    applies to a class only where ``applies(cls, registered)`` holds (the tables of readers
-    use ``refshare._rules.pickles_as``); what was found is worked out again whenever
-    ``epoch()`` changes.
+    applies to a class only where ``applies(cls, registered)`` holds, asked on every
+    look-up (the tables of readers use ``refshare._rules.pickles_as``).
     """
 
-    def __init__(
-        self, applies: Applies | None = None, epoch: Callable[[], object] | None = None
-    ) -> None:
+    def __init__(self, applies: Applies | None = None) -> None:
         self._applies = applies
-        self._epoch = epoch
-        self._at: object = None
         self._entries: dict[type, V] = {}
-        self._resolved: dict[type, V | None] = {}
+        #: Class -> the registered class whose entry it finds along its MRO.
+        self._owners: dict[type, type] = {}
         #: Classes resolved for good: no entry waiting for a module could apply to them.
         self._settled: set[type] = set()
         #: Top-level package -> the entries waiting for one of its modules to be imported.
@@ -43,14 +39,14 @@ class TypeTable(Generic[V]):
     def register(self, cls: type, value: V, *, replace: bool = True) -> None:
         if replace or cls not in self._entries:
             self._entries[cls] = value
-            self._resolved.clear()
+            self._owners.clear()
             self._settled.clear()
 
     def register_lazy(self, module: str, name: str, value: V) -> None:
         """Register ``value`` for ``module.name`` once that module is in ``sys.modules``; an
         entry already registered for that class is kept."""
         self._lazy.setdefault(module.partition(".")[0], []).append((module, name, value))
-        self._resolved.clear()
+        self._owners.clear()
         self._settled.clear()
 
     def registers(self, *classes: type) -> Callable[[F], F]:
@@ -106,29 +102,22 @@ class TypeTable(Generic[V]):
         return found
 
     def lookup(self, cls: type) -> V | None:
-        """The value for ``cls`` or its nearest registered base class (where it applies),
-        cached per class."""
-        if self._epoch is not None:
-            at = self._epoch()
-            if at != self._at:
-                self._at = at
-                self._resolved.clear()
-                self._settled.clear()
-        if cls in self._settled:
-            return self._resolved[cls]
-        found = self._resolved.get(cls)
-        if found is not None:
-            return found
-        for base in cls.__mro__:
-            self._load(base)
-        owner = next((b for b in cls.__mro__ if b in self._entries), None)
-        found = None if owner is None else self._entries[owner]
-        if owner is not None and self._applies is not None and not self._applies(cls, owner):
-            found = None
-        self._resolved[cls] = found
-        if found is not None or not self._waiting(cls):
-            self._settled.add(cls)
-        return found
+        """The value for ``cls`` or its nearest registered base class, where it applies.
+
+        Which base holds the entry is cached per class; whether it applies is asked each
+        time, so a class whose pickling changed since is not read as it was."""
+        owner = self._owners.get(cls)
+        if owner is None and cls not in self._settled:
+            for base in cls.__mro__:
+                self._load(base)
+            owner = next((b for b in cls.__mro__ if b in self._entries), None)
+            if owner is not None:
+                self._owners[cls] = owner
+            if owner is not None or not self._waiting(cls):
+                self._settled.add(cls)
+        if owner is None or (self._applies is not None and not self._applies(cls, owner)):
+            return None
+        return self._entries[owner]
 
     def __bool__(self) -> bool:
         return bool(self._entries)

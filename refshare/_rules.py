@@ -43,8 +43,7 @@ PICKLING_HOOKS = (
 #: its MRO, and the names of its slots.
 Pickling = tuple[object, ...]
 
-_pickling: dict[type, Pickling] = {}
-_epoch: tuple[int, ...] = ()
+_slots_of: dict[type, frozenset[str]] = {}
 
 
 _tables: list[Any] = [copyreg.dispatch_table]
@@ -62,8 +61,8 @@ def _dispatch_tables() -> list[Any]:
 
 
 def pickling_epoch() -> tuple[int, ...]:
-    """Changes whenever an entry is added to a dispatch table: what was worked out of a
-    class's pickling before is stale then (see :func:`pickling_of`)."""
+    """Changes whenever an entry is added to a dispatch table: which reader serves a class,
+    worked out before, is then worked out again (see ``TypeTable``)."""
     return tuple(map(len, _dispatch_tables()))
 
 
@@ -104,17 +103,16 @@ def reducer_package(entry: Any) -> str:
 
 
 def pickling_of(cls: type) -> Pickling:
-    """Everything that decides how pickle sends an instance of ``cls``, in pickle's order."""
-    global _epoch
-    epoch = pickling_epoch()
-    if epoch != _epoch:
-        _pickling.clear()
-        _epoch = epoch
-    found = _pickling.get(cls)
-    if found is None:
-        hooks = tuple(_resolved(cls, name) for name in PICKLING_HOOKS)
-        found = _pickling[cls] = (dispatch_entry(cls), *hooks, _slots(cls))
-    return found
+    """Everything that decides how pickle sends an instance of ``cls``, in pickle's order.
+
+    Read afresh each time (a few dictionary look-ups): a program, or its test, may assign a
+    class's ``__getstate__`` at any time. Only the slots are kept, being fixed once the
+    class exists."""
+    slots = _slots_of.get(cls)
+    if slots is None:
+        slots = _slots_of[cls] = _slots(cls)
+    hooks = tuple(_resolved(cls, name) for name in PICKLING_HOOKS)
+    return (dispatch_entry(cls), *hooks, slots)
 
 
 def package_of(obj: object) -> str:

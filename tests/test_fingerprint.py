@@ -142,6 +142,36 @@ def test_registered_fingerprint_and_size() -> None:
         refshare.register_fingerprint("not a class", len)  # type: ignore[arg-type]
 
 
+class Record:
+    """Keyed by a registered reader that reads ``data`` and nothing else."""
+
+    def __init__(self, data: np.ndarray, note: str) -> None:
+        self.data = data
+        self.note = note
+
+
+class RecordLike(Record):
+    """Pickles as ``Record``, until a test gives it pickling of its own."""
+
+
+def test_a_reader_serves_a_subclass_only_while_it_pickles_as_its_base(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reader reads ``data`` alone (its contract says it must read all the pickle sends;
+    here it does not, on purpose): a subclass that pickles as the base gets the base's
+    key, and once a hook is assigned to it, after it was read, it is keyed by its pickle."""
+    refshare.register_fingerprint(Record, lambda r: r.data)
+    data = np.arange(100.0)
+    assert fingerprint(RecordLike(data, "a")) == fingerprint(RecordLike(data, "b"))
+
+    monkeypatch.setattr(RecordLike, "__getstate__", lambda self: (self.note, self.data))
+    monkeypatch.setattr(RecordLike, "__setstate__", lambda self, s: None, raising=False)
+    assert fingerprint(RecordLike(data, "a")) != fingerprint(RecordLike(data, "b"))
+
+    monkeypatch.undo()
+    assert fingerprint(RecordLike(data, "a")) == fingerprint(RecordLike(data, "b"))
+
+
 def frozen(values: np.ndarray) -> np.ndarray:
     values.flags.writeable = False
     return values

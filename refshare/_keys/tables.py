@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from .._dispatch import TypeTable
-from .._rules import pickles_as, pickling_epoch
+from .._rules import pickles_as
 from .sizes import SizeFn, register_size
 
 Key = bytes
@@ -60,11 +60,11 @@ leaf_digests: TypeTable[DigestFn] = TypeTable()
 stamps: TypeTable[StampFn] = TypeTable()
 #: Users' own types, with what defines their content (see ``register_fingerprint``); a
 #: subclass is read only if it pickles as the registered class (see ``refshare._rules``).
-user_fingerprints: TypeTable[FingerprintFn] = TypeTable(pickles_as, pickling_epoch)
+user_fingerprints: TypeTable[FingerprintFn] = TypeTable(pickles_as)
 #: refshare's own fingerprints of the ecosystem's batch types (see ``refshare._integrations``),
 #: registered for when their package is imported; a user's registration takes precedence.
 #: Each is an allow-list: ``NotImplemented`` for a value it has not read in full.
-builtin_fingerprints: TypeTable[FingerprintFn] = TypeTable(pickles_as, pickling_epoch)
+builtin_fingerprints: TypeTable[FingerprintFn] = TypeTable(pickles_as)
 
 
 def register_fingerprint(
