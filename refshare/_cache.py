@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from . import _stats
@@ -30,9 +31,15 @@ def _check_max_bytes(max_bytes: object) -> int | None:
     return max_bytes
 
 
+#: A stored object an entry keeps alive, and what the object store holds for it.
+Kept = tuple[Hashable, int]
+
+
 class CacheEntry(NamedTuple):
     ref: Any
-    nbytes: int  #: what the object store holds for it, recorded when it was stored
+    #: The stored objects this entry keeps alive (its own first), each with what the object
+    #: store holds for it, recorded when it was stored: a skeleton keeps its members.
+    keeps: tuple[Kept, ...]
     #: The object it is stored in with other entries (deep sharing's bundles), or ``None``.
     group: Hashable | None = None
 
@@ -42,14 +49,20 @@ class CacheEntry(NamedTuple):
         return self.ref if self.group is None else self.group
 
 
+#: How many locks the keys being put are spread over (see :class:`PutLocks`).
+PUT_LOCKS = 64
+
+
 class RefCache:
     """A least-recently-used map from fingerprint to ``ray.ObjectRef``, bounded in bytes.
 
-    Each entry weighs what the object store holds for the ref, recorded when it is inserted
-    (a ref itself has no size). Eviction happens in :meth:`popitem` only and drops nothing but
-    refshare's reference: Ray keeps the arguments of tasks already submitted alive.
-    A value larger than the whole budget is not cached. Entries stored in one object
-    (``group``) are evicted together: none of its bytes is freed while one of them is kept.
+    What the cache weighs is what the object store holds for the objects its entries keep
+    alive, each object counted once however many entries keep it: a bundle's parts, and a
+    skeleton with the members it names (recorded when each was stored; a ref itself has no
+    size). Eviction happens in :meth:`popitem` only and drops nothing but refshare's
+    reference: Ray keeps the arguments of tasks already submitted alive. An entry larger
+    than the whole budget is not cached. Entries stored in one object (a ``group``) are
+    evicted together: none of its bytes is freed while one of them is kept.
 
     ``max_bytes=None`` means a quarter of the object store of the node the driver runs on,
     read when the cache is first used in a Ray session. Refs are valid only in the Ray
@@ -63,7 +76,13 @@ class RefCache:
     def __init__(self, max_bytes: int | None = None) -> None:
         self._max_bytes = _check_max_bytes(max_bytes)
         self._entries: OrderedDict[Hashable, CacheEntry] = OrderedDict()
-        self._groups: dict[Hashable, list[Hashable]] = {}  # group -> its entries' keys
+        #: Group -> the keys of its entries.
+        self._groups: dict[Hashable, list[Hashable]] = {}
+        #: Each object an entry keeps alive -> how many entries keep it, and its bytes.
+        self._alive: dict[Hashable, list[int]] = {}
+        #: Held while a key's content is put: threads and scopes sharing this cache that
+        #: miss one key at once wait for one put, bundles included.
+        self.put_locks = PutLocks()
         self._nbytes = 0
         self._session: object = None
         self._lock = threading.RLock()
@@ -79,7 +98,8 @@ class RefCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the refs in the cache, as recorded at insert time."""
+        """Bytes the object store holds for the objects the cache keeps alive, as recorded
+        when each was stored: each object once."""
         return self._nbytes
 
     def __len__(self) -> int:
@@ -112,45 +132,87 @@ class RefCache:
                 self._entries.move_to_end(key)
             return entry
 
-    def setdefault(
-        self, key: Hashable, ref: Any, nbytes: int, group: Hashable | None = None
-    ) -> Any:
+    def setdefault(self, key: Hashable, ref: Any, nbytes: int, keeps: Sequence[Kept] = ()) -> Any:
         """Store ``ref`` for ``key`` unless one is already there; return the stored ref.
 
-        When two threads race to fill one key, the second takes the first one's ref, so
-        callers never see two refs for one content. ``group`` names the object ``ref``
-        shares with other entries, if any: a group is kept whole or not at all, so making
-        room never evicts a part of the group being filled while keeping the rest.
-        """
+        ``nbytes`` is what the object store holds for ``ref``; ``keeps``, the other stored
+        objects it keeps alive (a skeleton's members). When two threads race to fill one
+        key, the second takes the first one's ref, so callers never see two refs for one
+        content."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
                 return entry.ref
-            budget = self.max_bytes
-            if nbytes > budget:
-                return ref
-            while self._entries and self._nbytes + nbytes > budget:
-                _, evicted = self.popitem()
-                if group is not None and evicted is group:
-                    return ref  # its group cannot fit whole: none of it is kept
-            self._entries[key] = CacheEntry(ref, nbytes, group)
-            self._nbytes += nbytes
-            if group is not None:
-                self._groups.setdefault(group, []).append(key)
+            self._insert([(key, CacheEntry(ref, ((ref, nbytes), *keeps)))])
             return ref
+
+    def setdefault_group(
+        self, group: Hashable, items: Sequence[tuple[Hashable, Any]], nbytes: int
+    ) -> list[Any]:
+        """Store the entries of one object, ``group`` (each ``(key, ref)``), which the
+        object store holds ``nbytes`` for: all of them or none, the object counted once.
+        A key already stored keeps its ref and stays out of the group. Returns the ref
+        stored for each key."""
+        with self._lock:
+            found = [self._entries.get(key) for key, _ in items]
+            keeps = ((group, nbytes),)
+            new = [
+                (key, CacheEntry(ref, keeps, group))
+                for (key, ref), e in zip(items, found, strict=True)
+                if e is None
+            ]
+            if new and self._insert(new):
+                self._groups[group] = [key for key, _ in new]
+            for (key, _), entry in zip(items, found, strict=True):
+                if entry is not None:
+                    self._entries.move_to_end(key)
+            return [ref if e is None else e.ref for (_, ref), e in zip(items, found, strict=True)]
+
+    def _insert(self, new: list[tuple[Hashable, CacheEntry]]) -> bool:
+        """Add ``new`` entries, evicting the least recently used others until what the
+        cache keeps alive fits the budget; add none (and evict nothing) if they alone
+        would not fit."""
+        budget = self.max_bytes
+        objects = dict(kept for _, entry in new for kept in entry.keeps)
+        if sum(objects.values()) > budget:
+            return False
+        for key, entry in new:
+            self._entries[key] = entry
+            self._keep(entry)
+        first = new[0][0]
+        while self._nbytes > budget and next(iter(self._entries)) != first:
+            self.popitem()  # the new entries came last: all the others go first
+        return True
+
+    def _keep(self, entry: CacheEntry) -> None:
+        for obj, nbytes in entry.keeps:
+            count = self._alive.get(obj)
+            if count is None:
+                self._alive[obj] = [1, nbytes]
+                self._nbytes += nbytes
+            else:
+                count[0] += 1
+
+    def _release(self, entry: CacheEntry) -> None:
+        for obj, _ in entry.keeps:
+            count = self._alive[obj]
+            count[0] -= 1
+            if not count[0]:
+                del self._alive[obj]
+                self._nbytes -= count[1]
 
     def popitem(self) -> tuple[Hashable, Any]:
         """Evict the least recently used entry, and the others of its group; return the
         first's ``(key, ref)``."""
         with self._lock:
             key, entry = self._entries.popitem(last=False)
-            self._nbytes -= entry.nbytes
+            self._release(entry)
             _stats.record_eviction()
             for other in self._groups.pop(entry.group, ()):  # no group: none
                 evicted = self._entries.pop(other, None)
                 if evicted is not None:
-                    self._nbytes -= evicted.nbytes
+                    self._release(evicted)
                     _stats.record_eviction()
         return key, entry.holder
 
@@ -160,6 +222,7 @@ class RefCache:
         with self._lock:
             self._entries.clear()
             self._groups.clear()
+            self._alive.clear()
             self._nbytes = 0
         self.admission.clear()
         self.splitting.clear()
@@ -171,6 +234,26 @@ class RefCache:
                 if session != self._session:
                     self.clear()
                     self._session = session
+
+
+class PutLocks:
+    """Locks held while the content of a key is put, so that whoever misses the same key
+    meanwhile waits and finds it stored. Keys share a fixed number of locks: the table
+    never grows, and two puts rarely wait for each other without need."""
+
+    __slots__ = ("_locks",)
+
+    def __init__(self) -> None:
+        self._locks = [threading.RLock() for _ in range(PUT_LOCKS)]
+
+    @contextlib.contextmanager
+    def holding(self, keys: Iterable[Hashable]) -> Iterator[None]:
+        """Hold the locks of ``keys``, taken in one order so that two holders of several
+        never wait on each other."""
+        with contextlib.ExitStack() as held:
+            for index in sorted({hash(key) % PUT_LOCKS for key in keys}):
+                held.enter_context(self._locks[index])
+            yield
 
 
 _store: tuple[object, int | None] | None = None

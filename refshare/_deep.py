@@ -91,7 +91,7 @@ def bundled_key(key: Key) -> Key:
 class Skeleton:
     """An argument with its large members taken out, stored: what travels instead of it."""
 
-    __slots__ = ("buffers", "handles", "inband", "key", "members", "members_nbytes", "native")
+    __slots__ = ("buffers", "handles", "inband", "keeps", "key", "members", "native")
 
     def __init__(self, split: Split, refs: list[Any]) -> None:
         self.native = split.native
@@ -99,19 +99,29 @@ class Skeleton:
         self.buffers = split.buffers
         self.members = refs
         self.handles = split.handles
-        #: What the members weigh, each bundle whole: a stored skeleton keeps them alive.
-        alone = [
-            m.nbytes for m, r in zip(split.members, refs, strict=True) if type(r) is not Bundled
-        ]
-        bundles = {r.ref: r.nbytes for r in refs if type(r) is Bundled}
-        self.members_nbytes = sum(alone) + sum(bundles.values())
+        #: The stored objects a stored skeleton keeps alive, each once with its bytes: the
+        #: members stored alone, and each bundle whole.
+        self.keeps = tuple(
+            {
+                (r.ref if type(r) is Bundled else r): (r.nbytes if type(r) is Bundled else m.nbytes)
+                for m, r in zip(split.members, refs, strict=True)
+            }.items()
+        )
         self.key = split.key(b"skeleton")
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # The small members' buffers travel out of band, as Ray sends them by value: the
         # worker's arrays are then read-only views of Ray's buffers, as by value.
-        members = [m[:2] if type(m) is Bundled else m for m in self.members]
-        parts = (self.native, self.inband, members, self.handles, self.buffers)
+        # Each stored object named once (a bundle holds many members): the worker fetches
+        # and deserializes it once, not once per member.
+        index: dict[Any, int] = {}
+        members = [
+            (index.setdefault(m.ref, len(index)), m.at)
+            if type(m) is Bundled
+            else index.setdefault(m, len(index))
+            for m in self.members
+        ]
+        parts = (self.native, self.inband, list(index), members, self.handles, self.buffers)
         return bootstrap.rebuild_skeleton, parts
 
 

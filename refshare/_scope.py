@@ -8,17 +8,15 @@ the cache, or put in its stored form (see ``refshare._wire``).
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
-import threading
 from typing import Any, NamedTuple
 
 from ray import ObjectRef
 
 from . import _admission, _stats
 from ._admission import Admission, Splitting
-from ._cache import RefCache, scope_budget
+from ._cache import PutLocks, RefCache, scope_budget
 from ._deep import Bundled, NotSplittable, Skeleton, Split, bundled_key, split
 from ._keys import Key, Keyed, Memo, identify
 from ._keys.pickler import learn_pickling, pickles_alike, pickling_classes, runs_own_pickling
@@ -60,10 +58,10 @@ class Scope:
     that had to be pickled to be keyed and for deep-shared values' skeletons, under a stamp
     of their whole structure (see ``StampedMemo``), so each is serialized or split at most
     once per call. ``local`` lets each content be put once per scope even when no cache is
-    used or the value exceeds the cache budget; ``pending`` makes threads that miss one key
-    at once wait for one put; ``unkeyed`` names the values put without keying (see
-    ``refshare._admission``), so that one sent again within the call makes its kind keyed
-    again.
+    used or the value exceeds the cache budget; ``put_locks`` (the cache's, when there is
+    one) make threads and scopes that miss one key at once wait for one put; ``unkeyed``
+    names the values put without keying (see ``refshare._admission``), so that one sent
+    again within the call makes its kind keyed again.
 
     ``local`` keeps what the scope stored alive in the object store. A long block (a
     training loop inside ``sharing()``) would keep every batch it sent, so once what it
@@ -73,14 +71,15 @@ class Scope:
     """
 
     __slots__ = (
+        "bundles",
         "cache",
         "deep",
         "held",
         "local",
         "memo",
         "min_bytes",
-        "pending",
         "pickled",
+        "put_locks",
         "puts",
         "reuse",
         "session",
@@ -104,7 +103,9 @@ class Scope:
         self.pickled = StampedMemo()
         self.splits = StampedMemo()
         self.local: dict[Key, Any] = {}
-        self.pending: dict[Key, threading.Lock] = {}
+        #: The bundles ``local`` keeps a place of: each counted whole, once (see hold).
+        self.bundles: set[Any] = set()
+        self.put_locks = self.cache.put_locks if self.cache is not None else PutLocks()
         self.unkeyed: set[int] = set()
         #: What is learned of which kinds of values have members sent again (deep=None).
         self.splitting = self.cache.splitting if self.cache is not None else Splitting()
@@ -263,11 +264,9 @@ class Scope:
 
     def store_new(self, members: list[Keyed]) -> list[Any]:
         """Store ``members`` that no scope or cache held: several in one object. As in
-        :meth:`store_keyed`, threads that miss one key at once wait for one put (their
-        locks taken in key order, so two bundles never wait on each other)."""
-        with contextlib.ExitStack() as held:
-            for key in sorted(member.key for member in members):
-                held.enter_context(self.pending.setdefault(key, threading.Lock()))
+        :meth:`store_keyed`, threads and scopes that miss one key at once wait for one put
+        (see ``PutLocks``: two bundles never wait on each other)."""
+        with self.put_locks.holding(member.key for member in members):
             refs = [self.lookup_member(member) for member in members]
             missing = [m for m, r in zip(members, refs, strict=True) if r is None]
             stored = self.put_bundle(missing) if len(missing) > 1 else None
@@ -290,16 +289,14 @@ class Scope:
         ref, weight = put
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("put  %d bytes, %d members in one object", nbytes, len(members))
-        places, cache = [], self.cache
-        for index, member in enumerate(members):
-            share = weight * member.nbytes // max(nbytes, 1)  # what keeps it alive
-            key, place = bundled_key(member.key), Bundled(ref, index, weight)
-            if cache is not None:
-                place = cache.setdefault(key, place, share, group=ref)
-                cache = cache if key in cache else None  # cached whole or not at all
-            self.retain(share)
-            self.local[key] = place
-            places.append(place)
+        keys = [bundled_key(member.key) for member in members]
+        places = [Bundled(ref, index, weight) for index in range(len(members))]
+        if self.cache is not None:  # weighed whole, once: any part keeps all of it alive
+            items = list(zip(keys, places, strict=True))
+            places = self.cache.setdefault_group(ref, items, weight)
+        for place in places:
+            self.hold(place, weight)
+        self.local.update(zip(keys, places, strict=True))
         return places
 
     def size_if_large(self, value: Any) -> int | None:
@@ -413,12 +410,13 @@ class Scope:
     def store_keyed(self, keyed: Keyed, fallback: Any) -> Any:
         """The ref stored under ``keyed.key`` in the scope or cache, or ``keyed.stored`` put.
 
-        Threads of this scope (a pool putting chunks) that miss one key at the same moment
-        wait for the first one's put instead of each putting the same content."""
+        Threads (a pool putting chunks) and scopes sharing the cache that miss one key at
+        the same moment wait for the first one's put instead of each putting the same
+        content."""
         ref = self.lookup(keyed.key, keyed.nbytes)
         if ref is not None:
             return ref
-        with self.pending.setdefault(keyed.key, threading.Lock()):
+        with self.put_locks.holding((keyed.key,)):
             ref = self.lookup(keyed.key, keyed.nbytes)
             if ref is not None:
                 return ref
@@ -435,7 +433,7 @@ class Scope:
             entry = self.cache.entry(key)
             if entry is not None:
                 ref = entry.ref
-                self.retain(entry.nbytes)
+                self.hold(ref, sum(nbytes for _, nbytes in entry.keeps))
                 self.local[key] = ref
         if ref is not None:
             _stats.record_hit(nbytes)
@@ -449,13 +447,12 @@ class Scope:
         if put is None:
             return fallback
         ref, weight = put
-        if isinstance(keyed.stored, Skeleton):
-            weight += keyed.stored.members_nbytes  # its object keeps its members alive
+        keeps = keyed.stored.keeps if isinstance(keyed.stored, Skeleton) else ()
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("put  %d bytes, key %s", keyed.nbytes, keyed.key.hex()[:12])
-        if self.cache is not None:
-            ref = self.cache.setdefault(keyed.key, ref, weight)
-        self.retain(weight)
+        if self.cache is not None:  # a skeleton's object keeps its members alive
+            ref = self.cache.setdefault(keyed.key, ref, weight, keeps)
+        self.retain(weight + sum(nbytes for _, nbytes in keeps))
         self.local[keyed.key] = ref
         return ref
 
@@ -473,6 +470,16 @@ class Scope:
 
     # -- what the scope keeps -------------------------------------------------------------------
 
+    def hold(self, ref: Any, nbytes: int) -> None:
+        """Count what keeping ``ref`` keeps alive: a place in a bundle, the whole bundle,
+        once however many of its places the scope keeps."""
+        if type(ref) is Bundled:
+            if ref.ref in self.bundles:
+                return
+            self.bundles.add(ref.ref)
+            nbytes = ref.nbytes
+        self.retain(nbytes)
+
     def retain(self, nbytes: int) -> None:
         """Count ``nbytes`` more of object store this scope keeps alive. Past its budget
         (half the local store), forget everything kept so far: a value sent again is then
@@ -487,8 +494,8 @@ class Scope:
         self.pickled.clear()
         self.splits.clear()
         self.local.clear()
+        self.bundles.clear()
         self.unkeyed.clear()
-        self.pending.clear()
         self.held = 0
 
 

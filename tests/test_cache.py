@@ -23,19 +23,40 @@ def test_lru_within_a_byte_budget() -> None:
     assert repr(cache) == "RefCache(maxsize=100, currsize=80, len=2)"
 
 
-def test_entries_stored_in_one_object_are_kept_and_evicted_together() -> None:
+def test_entries_stored_in_one_object_are_weighed_once_and_evicted_together() -> None:
     cache = RefCache(max_bytes=100)
-    cache.setdefault("a", "part-a", 30, group="bundle")
-    cache.setdefault("b", "part-b", 30, group="bundle")
+    assert cache.setdefault_group("bundle", [("a", "part-a"), ("b", "part-b")], 60) == [
+        "part-a",
+        "part-b",
+    ]
     assert cache.get("a") == cache.get("b") == "bundle"  # the ref of the object holding them
+    assert cache.nbytes == 60  # the object, once: either part keeps all of it alive
     before = refshare.stats().evictions
     cache.setdefault("c", "ref-c", 50)  # a is least recent: b goes with it
     assert list(cache) == ["c"] and cache.nbytes == 50
     assert refshare.stats().evictions == before + 2
-    # Making room for a group's second part would evict its first: none of it is kept.
-    cache.setdefault("p", "part-p", 40, group="other")
-    assert cache.setdefault("q", "part-q", 70, group="other") == "part-q"
-    assert "p" not in cache and "q" not in cache and cache.nbytes == 0
+    # A group that cannot fit whole keeps none of it, and evicts nothing for it.
+    assert cache.setdefault_group("big", [("p", "part-p"), ("q", "part-q")], 101) == [
+        "part-p",
+        "part-q",
+    ]
+    assert list(cache) == ["c"] and cache.nbytes == 50
+    # A key already stored keeps its ref and stays out of the new group.
+    cache.setdefault_group("other", [("c", "part-c"), ("d", "part-d")], 40)
+    assert cache.get("c") == "ref-c" and cache.get("d") == "other" and cache.nbytes == 90
+
+
+def test_an_object_kept_alive_by_several_entries_is_weighed_once() -> None:
+    """A skeleton keeps its members alive: the cache weighs each stored object once, for as
+    long as any entry keeps it."""
+    cache = RefCache(max_bytes=1000)
+    cache.setdefault("member", "m", 300)
+    cache.setdefault("skeleton", "s", 10, keeps=[("m", 300), ("n", 200)])
+    assert cache.nbytes == 510  # m, n and s, each once
+    cache.popitem()  # the member's entry: the skeleton still keeps m alive
+    assert list(cache) == ["skeleton"] and cache.nbytes == 510
+    cache.popitem()
+    assert cache.nbytes == 0
 
 
 def test_a_value_larger_than_the_budget_is_not_cached() -> None:

@@ -80,32 +80,56 @@ class _SkeletonUnpickler(pickle.Unpickler):
 
 
 def rebuild_skeleton(
-    native: bytes | None, inband: bytes, refs: list[Any], handles: list[Any], buffers: list[Any]
+    native: bytes | None,
+    inband: bytes,
+    objects: list[Any],
+    members: list[Any],
+    handles: list[Any],
+    buffers: list[Any],
 ) -> Any:
-    """A deep-shared argument: every member fetched in one batched get, then the rest
-    unpickled around them, as by value would unpickle the whole.
+    """A deep-shared argument: every stored object it names fetched once, in one batched
+    get, then the rest unpickled around its members, as by value would unpickle the whole.
 
-    A member is a ref, or ``(ref, index)``: the ``index``-th of several members stored in
-    one object, each as its pickle and buffers (see ``refshare._wire.serialized``), of
-    which only those named here are unpickled."""
+    ``objects`` names each stored object once. A member is ``i``, the ``i``-th object, or
+    ``(i, at)``, the ``at``-th of several members stored in that object, each as its pickle
+    and buffers (see ``refshare._wire.serialized.bundle_form``), of which only those named
+    are unpickled: linear in the members, however many share one object. Each place a
+    member fills gets an object of its own, as by value, where equal values that refshare
+    stored once arrive as distinct objects."""
     import ray
     from ray._private import worker
 
+    again = [i for i, seen in _repeats(members, len(objects)) if seen]
     # This get runs while Ray unpickles the task's arguments, before the method: an async
     # actor has no event loop to block, so Ray's warning about a blocking get does not apply.
     warned = getattr(worker, "blocking_get_inside_async_warned", None)
     if warned is not None:
         worker.blocking_get_inside_async_warned = True
     try:
-        got = ray.get([ref[0] if type(ref) is tuple else ref for ref in refs])
+        got = ray.get([*objects, *(objects[members[i]] for i in again)])
     finally:
         if warned is not None:
             worker.blocking_get_inside_async_warned = warned
-    members = [
-        _unbundled(*value[ref[1]]) if type(ref) is tuple else value
-        for ref, value in zip(refs, got, strict=True)
+    repeated = dict(zip(again, got[len(objects) :], strict=True))
+    values = [
+        _unbundled(*got[member[0]][member[1]])
+        if type(member) is tuple
+        else repeated.get(place, got[member])
+        for place, member in enumerate(members)
     ]
-    return _around(native, _SkeletonUnpickler(inband, members, handles, buffers).load())
+    return _around(native, _SkeletonUnpickler(inband, values, handles, buffers).load())
+
+
+def _repeats(members: list[Any], count: int) -> list[tuple[int, bool]]:
+    """Each place of a member stored alone, and whether an earlier place named its object:
+    fetched again, so that it arrives as an object of its own."""
+    seen = [False] * count
+    places = []
+    for place, member in enumerate(members):
+        if type(member) is not tuple:
+            places.append((place, seen[member]))
+            seen[member] = True
+    return places
 
 
 def _unbundled(inband: Any, buffers: list[Any]) -> Any:
