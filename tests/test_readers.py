@@ -4,6 +4,7 @@ one call, with verify on finding no mismatch. Runs where verl and tensordict imp
 
 from __future__ import annotations
 
+import copy
 import copyreg
 import pickle
 from collections.abc import Callable
@@ -195,6 +196,36 @@ def test_a_consolidated_tensordict_whose_entries_moved_on_arrives_as_by_value(
 
     assert_as_by_value(probes, [unpickled, replaced, added, deleted], deep)
     assert_as_by_value(probes, [lambda f=f: dataproto(f()) for f in (replaced, added)], deep)
+
+
+def test_a_dataproto_copied_or_unpickled_is_keyed_as_the_original() -> None:
+    """A deep copy or an unpickled ``DataProto`` has a consolidated batch; its pickle is the
+    original's (``contiguous()`` drops the consolidation), and so is its key."""
+    data = dataproto(TensorDict(tensors(), batch_size=[ROWS]))
+    for other in (copy.deepcopy(data), pickle.loads(pickle.dumps(data))):
+        assert other.batch._consolidated
+        assert pickle.dumps(other) == pickle.dumps(data)
+        assert refshare.fingerprint(other) == refshare.fingerprint(data)
+    assert not getattr(data.batch.consolidate().contiguous(), "_consolidated", None)
+
+
+@pytest.mark.parametrize("deep", DEEP)
+def test_a_dataproto_with_a_consolidated_batch_arrives_as_by_value(
+    probes: list[Any], deep: Any
+) -> None:
+    def original() -> Any:
+        return dataproto(TensorDict(tensors(), batch_size=[ROWS]))
+
+    def written() -> Any:
+        data = copy.deepcopy(original())
+        data.batch["input_ids"][0, 0] = -1  # through the view, into the consolidated storage
+        return data
+
+    def consolidated() -> Any:
+        return dataproto(TensorDict(tensors(1), batch_size=[ROWS]).consolidate())
+
+    make = [original, lambda: copy.deepcopy(original()), written, consolidated]
+    assert_as_by_value(probes, make, deep)
 
 
 @pytest.mark.parametrize("deep", DEEP)

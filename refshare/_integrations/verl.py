@@ -40,18 +40,21 @@ def _tensor_items(batch: Any) -> list[tuple[object, Any]]:
 
 def _plain_entries(batch: Any) -> list[tuple[str, Any]] | None:
     """The entries of a batch whose pickling refshare reads in full, in order, else
-    ``None``: an exact ``TensorDict``, not consolidated, every entry a plain tensor.
+    ``None``: an exact ``TensorDict``, every entry a plain tensor.
 
     ``DataProto.__getstate__`` then ``torch.save``s a fresh ``contiguous().consolidate()``
     of it, which holds exactly these entries' dtypes, shapes and elements, and the batch's
-    size, device and names. Anything else (a non-tensor entry, a nested or lazily stacked
-    ``TensorDict``, a tensor subclass or one with attributes, a consolidated batch, whose
-    consolidation may be reused as it is) is left to the exact path: Ray's pickle."""
+    size, device and names. That holds for a consolidated batch too (every batch a
+    ``DataProto`` is unpickled or deep-copied with): ``TensorDict.contiguous()`` builds a
+    new, unconsolidated ``TensorDict`` of the current entries (tensordict 0.10.0, 0.15.3), so
+    the batch's own consolidated storage, current or stale, is never what is sent. Anything
+    else (a non-tensor entry, a nested or lazily stacked ``TensorDict``, a tensor subclass
+    or one with attributes) is left to the exact path: Ray's pickle."""
     tensordict = sys.modules.get("tensordict")
     if type(batch) is not getattr(tensordict, "TensorDict", None):
         return None
     entries = getattr(batch, "_tensordict", None)
-    if type(entries) is not dict or getattr(batch, "_consolidated", None):
+    if type(entries) is not dict:
         return None
     if not all(type(key) is str and plain_tensor(t) for key, t in entries.items()):
         return None
