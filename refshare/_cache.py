@@ -202,6 +202,15 @@ class RefCache:
                 del self._alive[obj]
                 self._nbytes -= count[1]
 
+    def shrink(self, nbytes: int) -> int:
+        """Evict least recently used entries until what the cache keeps alive is ``nbytes``
+        less, or nothing is left; return the bytes let go of."""
+        with self._lock:
+            before = self._nbytes
+            while self._entries and before - self._nbytes < nbytes:
+                self.popitem()
+            return before - self._nbytes
+
     def popitem(self) -> tuple[Hashable, Any]:
         """Evict the least recently used entry, and the others of its group; return the
         first's ``(key, ref)``."""

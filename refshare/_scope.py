@@ -24,6 +24,7 @@ from ._keys.sizes import SCALARS, estimate_size, measure
 from ._keys.structure import StampedMemo, structure_stamp
 from ._keys.tables import leaf_digests, user_fingerprints
 from ._options import Options
+from ._pressure import gauge
 from ._ray.session import current_session, stored_bytes
 from ._ray.submit import raw_put
 from ._verify import verifier, verify_by_env
@@ -283,7 +284,7 @@ class Scope:
         if they cannot be stored so (each is then stored on its own)."""
         form = bundle_form([member.stored for member in members])
         nbytes = sum(member.nbytes for member in members)
-        put = put_stored(form, nbytes) if form is not None else None
+        put = self.put_stored(form, nbytes) if form is not None else None
         if put is None:
             return None
         ref, weight = put
@@ -443,7 +444,7 @@ class Scope:
 
     def put(self, keyed: Keyed, fallback: Any) -> Any:
         """Put ``keyed.stored`` and keep its ref, in this scope and the cache."""
-        put = put_stored(keyed.stored, keyed.nbytes)
+        put = self.put_stored(keyed.stored, keyed.nbytes)
         if put is None:
             return fallback
         ref, weight = put
@@ -462,13 +463,39 @@ class Scope:
         their bytes), a value with pickling of its own (a ``DataProto``) as Ray pickles it."""
         cls = type(value)
         plain = leaf_digests.exact(cls) is not None or runs_own_pickling(cls)
-        put = put_stored(value if plain else PickleOnPut(value), nbytes)
+        put = self.put_stored(value if plain else PickleOnPut(value), nbytes)
         if put is None:
             return fallback
         _stats.record_unkeyed()
         return put[0]
 
     # -- what the scope keeps -------------------------------------------------------------------
+
+    def put_stored(self, stored: Any, nbytes: int) -> tuple[Any, int] | None:
+        """:func:`put_stored`, once what refshare keeps has made room for ``nbytes`` in the
+        local object store (see ``refshare._pressure``)."""
+        if gauge.over(nbytes):
+            self.make_room(nbytes)
+        put = put_stored(stored, nbytes)
+        if put is not None:
+            gauge.added(put[1])
+        return put
+
+    def make_room(self, nbytes: int) -> None:
+        """Let go of what this scope keeps, then of the cache's least recently used, until
+        ``nbytes`` more fit below the fill refshare yields at, or it keeps nothing more."""
+        held = self.held
+        self.forget()
+        gauge.read_again()
+        over = gauge.over(nbytes)
+        freed = self.cache.shrink(over) if over and self.cache is not None else 0
+        if freed:
+            gauge.read_again()
+        logger.debug(
+            "the object store is filling: let go of %d bytes kept by the scope, %d by the cache",
+            held,
+            freed,
+        )
 
     def hold(self, ref: Any, nbytes: int) -> None:
         """Count what keeping ``ref`` keeps alive: a place in a bundle, the whole bundle,

@@ -41,3 +41,61 @@ def stored_bytes(ref: Any, default: int) -> int:
         return int(get_local_object_locations([ref])[ref]["object_size"])
     except Exception:
         return default
+
+
+def local_store_used() -> int | None:
+    """The bytes the driver's node's object store must keep now (what Ray would spill to
+    make room, not what it can evict), or ``None`` if Ray does not say.
+
+    The raylet's own count of primary copies where its gRPC service can be asked (one call
+    of about 2 ms; the ``grpcio`` that ``ray[default]`` brings); else the objects this
+    process holds a reference to, each with its size, from its own core worker (no RPC):
+    what the program and refshare hold, without what other processes put on the node."""
+    try:
+        return _raylet_store_used()
+    except Exception:
+        pass
+    try:
+        return _referenced_bytes()
+    except Exception:
+        return None
+
+
+_raylet: tuple[object, Any] | None = None
+
+
+def _raylet_store_used() -> int:
+    """The raylet's count, through a channel opened once per Ray session."""
+    global _raylet
+    from ray.core.generated import node_manager_pb2
+
+    session = current_session()
+    if _raylet is None or _raylet[0] != session:
+        _raylet = (session, _raylet_stub())
+    request = node_manager_pb2.GetNodeStatsRequest(  # type: ignore[attr-defined]
+        include_memory_info=False
+    )
+    stats = _raylet[1].GetNodeStats(request, timeout=5.0).store_stats
+    # Primary copies are what Ray spills and cannot evict; the rest of what the store holds
+    # (copies no reference keeps) it evicts when it needs the room.
+    return int(stats.object_store_bytes_primary_copy)
+
+
+def _raylet_stub() -> Any:
+    # Ray's own channel: it carries the cluster's authentication token, where there is one.
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import node_manager_pb2_grpc
+
+    node: Any = ray._private.worker.global_worker.node
+    channel = init_grpc_channel(f"{node.node_ip_address}:{node.node_manager_port}")
+    return node_manager_pb2_grpc.NodeManagerServiceStub(channel)  # type: ignore[no-untyped-call]
+
+
+def _referenced_bytes() -> int:
+    from ray.experimental import get_local_object_locations
+
+    core = ray._private.worker.global_worker.core_worker  # type: ignore[attr-defined]
+    ids = core.get_all_reference_counts()
+    refs: list[Any] = [ray.ObjectRef(bytes.fromhex(i.decode())) for i in ids]
+    found = get_local_object_locations(refs)
+    return sum(int((found.get(ref) or {}).get("object_size") or 0) for ref in refs)

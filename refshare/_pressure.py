@@ -1,0 +1,76 @@
+"""Letting go first: what refshare keeps alive yields to what the program holds.
+
+Ray spills objects to disk once its object store is 80% full, and refuses a put it can
+neither fit nor spill. What refshare keeps alive (the values a scope sent, the cache's) is
+kept only to be sent again, so before each put refshare checks how full the local store
+would be and, past :data:`YIELD_FILL`, lets go of what it keeps: the scope's values first,
+then the cache's, least recently used first. It never makes Ray spill what the program
+holds, where by value would not have.
+
+How full the store is comes from Ray (see :func:`refshare._ray.session.local_store_used`):
+read at most every :data:`READ_EVERY` seconds while it is well below the mark, and between
+readings estimated from what refshare put since.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ._cache import local_store_bytes
+from ._ray.session import current_session, local_store_used
+
+#: Fill of the local object store past which refshare lets go of what it keeps: below the
+#: 80% at which Ray starts spilling.
+YIELD_FILL = 0.7
+#: Seconds between readings of the store while puts go on and it is well below the mark.
+READ_EVERY = 0.25
+#: Seconds between readings at the least, near the mark: each reading asks the raylet.
+READ_AT_MOST_EVERY = 0.02
+
+
+class StoreGauge:
+    """How full the local object store is, read from Ray now and then, estimated between."""
+
+    __slots__ = ("_lock", "_read_at", "_session", "_since", "_used")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._session: object = None
+        self._read_at = -1.0
+        self._used = 0  #: bytes the store held at the last reading
+        self._since = 0  #: bytes refshare put since
+
+    def over(self, nbytes: int) -> int:
+        """By how many bytes the local store would pass :data:`YIELD_FILL` with ``nbytes``
+        more put (0 if it would not, or if Ray does not say)."""
+        store = local_store_bytes()
+        if not store:
+            return 0
+        limit = int(store * YIELD_FILL)
+        now = time.monotonic()
+        with self._lock:
+            session = current_session()
+            if session != self._session:
+                self._session, self._read_at, self._used, self._since = session, -1.0, 0, 0
+            estimate = self._used + self._since + nbytes
+            since_read = now - self._read_at
+            if since_read > READ_EVERY or (estimate > limit and since_read > READ_AT_MOST_EVERY):
+                used = local_store_used()
+                if used is not None:
+                    self._used, self._since, self._read_at = used, 0, now
+                    estimate = used + nbytes
+            return max(0, estimate - limit)
+
+    def added(self, nbytes: int) -> None:
+        """Count ``nbytes`` refshare just put, until the next reading."""
+        with self._lock:
+            self._since += nbytes
+
+    def read_again(self) -> None:
+        """Read the store at the next :meth:`over`: refshare has just let go of objects."""
+        with self._lock:
+            self._read_at, self._since = -1.0, 0
+
+
+gauge = StoreGauge()
