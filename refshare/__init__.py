@@ -8,12 +8,15 @@ from ._keys import fingerprint
 from ._keys.sizes import estimate_size, register_size
 from ._keys.tables import register_fingerprint
 from ._ray.submit import install, is_installed, uninstall
+from ._report import Report, Row, report, reset_report
 from ._stats import Stats, enable_metrics, reset_stats, stats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "RefCache",
+    "Report",
+    "Row",
     "Stats",
     "__version__",
     "clear",
@@ -27,6 +30,8 @@ __all__ = [
     "patch_methods",
     "register_fingerprint",
     "register_size",
+    "report",
+    "reset_report",
     "reset_stats",
     "share",
     "shared_args",

@@ -91,8 +91,11 @@ class sharing:
         puts: bool = True,
         deep: bool | None = None,
         verify: bool = False,
+        audit: bool = False,
     ) -> None:
-        self._options = Options(min_bytes, cache, enabled, reuse_fingerprints, puts, deep, verify)
+        self._options = Options(
+            min_bytes, cache, enabled, reuse_fingerprints, puts, deep, verify, audit
+        )
 
     def __enter__(self) -> sharing:
         caller = sys._getframe(1)
@@ -186,6 +189,7 @@ def shared_args(
     puts: bool = True,
     deep: bool | None = None,
     verify: bool = False,
+    audit: bool = False,
 ) -> Callable[[_F], _F]: ...
 
 
@@ -200,6 +204,7 @@ def shared_args(
     puts: bool = True,
     deep: bool | None = None,
     verify: bool = False,
+    audit: bool = False,
 ) -> _F | Callable[[_F], _F]:
     """Share the large arguments of every Ray call the decorated function submits.
 
@@ -239,12 +244,16 @@ def shared_args(
             that would not is logged as an error, counted in ``stats().mismatches`` and sent
             by value. Costs more than by value: for a run on your own data when you adopt
             refshare or upgrade a framework. ``REFSHARE_VERIFY=1`` turns it on everywhere.
+        audit: key every large argument and ``ray.put`` as sharing would, and change
+            nothing Ray sends: every argument goes by value, every put is Ray's own.
+            :func:`refshare.report` then says, per call site, what sharing would save and
+            what would go by value, and why. ``REFSHARE_AUDIT=1`` turns it on everywhere.
 
     Use bare (``@shared_args``) or with options (``@shared_args(min_bytes=1 << 20)``).
     Options are checked here, when decorating.
     """
     decorate = _make_decorator(
-        Options(min_bytes, cache, enabled, reuse_fingerprints, puts, deep, verify)
+        Options(min_bytes, cache, enabled, reuse_fingerprints, puts, deep, verify, audit)
     )
     return decorate if func is None else decorate(func)
 

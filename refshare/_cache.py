@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -75,6 +76,7 @@ class RefCache:
 
     def __init__(self, max_bytes: int | None = None) -> None:
         self._max_bytes = _check_max_bytes(max_bytes)
+        self._counted = True  #: evictions count in stats() (an audit's cache: not)
         self._entries: OrderedDict[Hashable, CacheEntry] = OrderedDict()
         #: Group -> the keys of its entries.
         self._groups: dict[Hashable, list[Hashable]] = {}
@@ -217,12 +219,14 @@ class RefCache:
         with self._lock:
             key, entry = self._entries.popitem(last=False)
             self._release(entry)
-            _stats.record_eviction()
+            if self._counted:
+                _stats.record_eviction()
             for other in self._groups.pop(entry.group, ()):  # no group: none
                 evicted = self._entries.pop(other, None)
                 if evicted is not None:
                     self._release(evicted)
-                    _stats.record_eviction()
+                    if self._counted:
+                        _stats.record_eviction()
         return key, entry.holder
 
     def clear(self) -> None:
@@ -293,6 +297,22 @@ def scope_budget() -> int:
 
 
 _process_cache = RefCache()
+_audit_caches: weakref.WeakKeyDictionary[RefCache, RefCache] = weakref.WeakKeyDictionary()
+
+
+def audit_cache(cache: RefCache) -> RefCache:
+    """The cache an audit of ``cache`` keys into: its budget, and stand-ins for refs, so
+    that an audit counts what sharing through ``cache`` would find, and ``cache`` itself
+    never holds a ref that was not put."""
+    with _audit_lock:
+        found = _audit_caches.get(cache)
+        if found is None:
+            found = _audit_caches[cache] = RefCache(cache._max_bytes)
+            found._counted = False
+        return found
+
+
+_audit_lock = threading.Lock()
 
 
 def process_cache() -> RefCache:

@@ -31,6 +31,7 @@ class Options:
     puts: bool = True
     deep: bool | None = None
     verify: bool = False
+    audit: bool = False
 
     def __post_init__(self) -> None:
         min_bytes = self.min_bytes
@@ -46,7 +47,7 @@ class Options:
                 f"cache={self.cache!r}: pass True (the process-wide cache), False (share "
                 "within one call only) or a refshare.RefCache"
             )
-        for name in ("enabled", "reuse_fingerprints", "puts", "verify"):
+        for name in ("enabled", "reuse_fingerprints", "puts", "verify", "audit"):
             _check_flag(name, getattr(self, name))
         if self.deep is not None and not isinstance(self.deep, bool):
             raise TypeError(
@@ -77,4 +78,5 @@ class Options:
             "puts": self.puts,
             "deep": self.deep,
             "verify": self.verify,
+            "audit": self.audit,
         }

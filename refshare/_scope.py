@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 
 from ray import ObjectRef
 
-from . import _admission, _stats
+from . import _admission, _report, _stats
 from ._admission import Admission, Splitting
-from ._cache import PutLocks, RefCache, scope_budget
+from ._cache import PutLocks, RefCache, audit_cache, scope_budget
 from ._deep import Bundled, NotSplittable, Skeleton, Split, bundled_key, split
 from ._keys import Key, Keyed, Memo, identify
 from ._keys.pickler import learn_pickling, pickles_alike, pickling_classes, runs_own_pickling
@@ -51,6 +51,12 @@ class Pickled(NamedTuple):
     classes: frozenset[type]
 
 
+class Unsent:
+    """Stands for the ref of what an audit would have put: never sent, never stored."""
+
+    __slots__ = ()
+
+
 class Scope:
     """One decorated call or ``sharing`` block: shares the arguments of what it submits.
 
@@ -72,6 +78,7 @@ class Scope:
     """
 
     __slots__ = (
+        "audit",
         "bundles",
         "cache",
         "deep",
@@ -87,6 +94,7 @@ class Scope:
         "site",
         "splits",
         "splitting",
+        "tally",
         "unkeyed",
         "verify",
     )
@@ -94,9 +102,16 @@ class Scope:
     def __init__(self, options: Options, site: str = "") -> None:
         #: What the scope is (the decorated function, the block), for what verify reports.
         self.site = site
-        self.verify = options.verify or verify_by_env()
+        #: Audit mode: key as sharing would, send everything by value (see _report).
+        self.audit = options.audit or _report.audit_by_env()
+        self.verify = (options.verify or verify_by_env()) and not self.audit
         self.min_bytes = options.threshold
-        self.cache: RefCache | None = options.ref_cache
+        cache = options.ref_cache
+        self.cache: RefCache | None = (
+            audit_cache(cache) if cache is not None and self.audit else cache
+        )
+        self.tally = _report.tally(site, self.audit)
+        self.tally.add((_report.CALLS, 1))
         self.reuse = options.reuse_fingerprints
         self.puts = options.puts
         self.deep = options.deep
@@ -120,6 +135,7 @@ class Scope:
 
         Returns the very same objects when nothing was replaced, so Ray sees no copy.
         """
+        self.tally.add((_report.SUBMISSIONS, 1))
         new_args = args
         for index, value in enumerate(args or ()):
             shared = self.share(value, index)
@@ -144,10 +160,15 @@ class Scope:
         nbytes = self.size_if_large(value)
         if nbytes is None or not self.ready():
             return value  # small, or Ray is not running yet: it starts on this very call
+        self.tally.add((_report.ARGUMENTS, 1), (_report.BYTES_SENT, nbytes))
         shared = self.store_argument(value, nbytes, fallback=value)
+        if self.audit:
+            return value  # keyed and counted; Ray sends it as it is
         if self.verify and shared is not value:
             label = f"argument {argument!r}"
             shared = verifier.check(value, shared, self.site, label, self.session)
+            if shared is value:
+                self.tally.add((_report.MISMATCHES, 1))
         return shared
 
     def ray_put(self, value: Any, **options: Any) -> Any:
@@ -161,9 +182,14 @@ class Scope:
         nbytes = self.size_if_large(value)
         if nbytes is None or not self.ready():
             return None
+        self.tally.add((_report.ARGUMENTS, 1), (_report.BYTES_SENT, nbytes))
         ref = self.store_argument(value, nbytes, fallback=None, put=True)
+        if self.audit:
+            return None  # keyed and counted; Ray's own put
         if ref is not None and self.verify:
             ref = verifier.check(value, ref, self.site, "ray.put", self.session)
+            if ref is value:
+                self.tally.add((_report.MISMATCHES, 1))
             ref = ref if ref is not value else None  # a mismatch: Ray's own put
         if ref is not None:
             _stats.record_put_call()
@@ -276,14 +302,16 @@ class Scope:
 
     def lookup_member(self, member: Keyed) -> Any:
         """The ref of ``member``, stored alone or in a bundle (a hit), or ``None``."""
-        ref = self.lookup(member.key, member.nbytes)
-        return self.lookup(bundled_key(member.key), member.nbytes) if ref is None else ref
+        ref = self.lookup(member.key, member.nbytes, member=True)
+        if ref is None:
+            ref = self.lookup(bundled_key(member.key), member.nbytes, member=True)
+        return ref
 
     def put_bundle(self, members: list[Keyed]) -> list[Any] | None:
         """Put new ``members`` in one object and keep each one's place in it, or ``None``
         if they cannot be stored so (each is then stored on its own)."""
-        form = bundle_form([member.stored for member in members])
         nbytes = sum(member.nbytes for member in members)
+        form = () if self.audit else bundle_form([member.stored for member in members])
         put = self.put_stored(form, nbytes) if form is not None else None
         if put is None:
             return None
@@ -362,9 +390,13 @@ class Scope:
         ``refshare._admission``); ``asked``: the admission has already said to key it."""
         if admission is not None and kind is not None and not (asked or admission.keyed(kind)):
             return self.store_cold(value, nbytes, fallback, admission, kind)
-        keyed = self.key(value, nbytes)
+        why: list[str] = []
+        keyed = self.key(value, nbytes, why)
         if keyed is None:
-            _stats.record_by_value()
+            reason = why[0] if why else "cannot be keyed"
+            self.tally.by_value(f"{type(value).__qualname__}: {reason}")
+            if not self.audit:
+                _stats.record_by_value()
             return fallback
         if admission is not None and kind is not None:
             admission.record(kind, hit=self.stored(keyed.key))
@@ -382,8 +414,8 @@ class Scope:
         admission.record(kind, hit=True)
         return self.store(value, nbytes, fallback)
 
-    def key(self, value: Any, nbytes: int) -> Keyed | None:
-        """Key ``value``, or ``None`` for by value.
+    def key(self, value: Any, nbytes: int, why: list[str] | None = None) -> Keyed | None:
+        """Key ``value``, or ``None`` for by value (``why`` then gets the reason).
 
         A value that had to be pickled to be keyed is stored as that pickle and weighs what
         it pickled to; within this scope it is not pickled again while its structure stamp
@@ -392,7 +424,7 @@ class Scope:
         kept: Pickled | None = self.pickled.get(value)
         if kept is not None and pickles_alike(kept.classes):
             return Keyed(kept.key, value, kept.nbytes)
-        found = identify(value, self.memo, self.reuse)
+        found = identify(value, self.memo, self.reuse, why)
         if found is None:
             return None
         if found.serialized is not None:
@@ -427,9 +459,11 @@ class Scope:
         """Whether content is stored under ``key``, in the scope or cache (no hit counted)."""
         return key in self.local or (self.cache is not None and key in self.cache)
 
-    def lookup(self, key: Key, nbytes: int) -> Any:
-        """The ref already stored under ``key`` in the scope or cache (a hit), or ``None``."""
+    def lookup(self, key: Key, nbytes: int, member: bool = False) -> Any:
+        """The ref already stored under ``key`` in the scope or cache (a hit), or ``None``;
+        ``member``: the content is a member of a split value."""
         ref = self.local.get(key)
+        in_call = ref is not None
         if ref is None and self.cache is not None:
             entry = self.cache.entry(key)
             if entry is not None:
@@ -437,7 +471,14 @@ class Scope:
                 self.hold(ref, sum(nbytes for _, nbytes in entry.keeps))
                 self.local[key] = ref
         if ref is not None:
-            _stats.record_hit(nbytes)
+            self.tally.add(
+                (_report.HITS, 1),
+                (_report.BYTES_REPEATED, nbytes),
+                (_report.BYTES_IN_CALL, nbytes if in_call else 0),
+                (_report.BYTES_MEMBERS, nbytes if member else 0),
+            )
+            if not self.audit:
+                _stats.record_hit(nbytes)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("hit  %d bytes, key %s", nbytes, key.hex()[:12])
         return ref
@@ -466,18 +507,26 @@ class Scope:
         put = self.put_stored(value if plain else PickleOnPut(value), nbytes)
         if put is None:
             return fallback
-        _stats.record_unkeyed()
+        self.tally.add((_report.UNKEYED, 1))
+        if not self.audit:
+            _stats.record_unkeyed()
         return put[0]
 
     # -- what the scope keeps -------------------------------------------------------------------
 
     def put_stored(self, stored: Any, nbytes: int) -> tuple[Any, int] | None:
         """:func:`put_stored`, once what refshare keeps has made room for ``nbytes`` in the
-        local object store (see ``refshare._pressure``)."""
+        local object store (see ``refshare._pressure``). Auditing, nothing is put: what
+        would be stored is counted, under a stand-in for its ref."""
+        self.tally.add((_report.PUTS, 1), (_report.BYTES_DISTINCT, nbytes))
+        if self.audit:
+            return Unsent(), nbytes
         if gauge.over(nbytes):
             self.make_room(nbytes)
         put = put_stored(stored, nbytes)
-        if put is not None:
+        if put is None:
+            self.tally.by_value("Ray refused its put")
+        else:
             gauge.added(put[1])
         return put
 

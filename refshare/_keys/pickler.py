@@ -244,7 +244,9 @@ def fingerprint_pass(obj: object, memo: Memo, reuse: bool, strict: bool) -> tupl
     return pickler.key(), pickler.tensors
 
 
-def identify(obj: object, memo: Memo | None = None, reuse: bool = False) -> Identified | None:
+def identify(
+    obj: object, memo: Memo | None = None, reuse: bool = False, why: list[str] | None = None
+) -> Identified | None:
     """Key ``obj``, serializing it at most once; ``None`` when it must go by value.
 
     Values made of arrays, tensors, containers, plain objects and known batch types are
@@ -252,8 +254,10 @@ def identify(obj: object, memo: Memo | None = None, reuse: bool = False) -> Iden
     what refshare cannot hash (a GPU tensor, a function sent as code), is pickled once with
     Ray's pickler and keyed by that pickle, which is then what ``ray.put`` stores. Values
     holding object refs or actor handles go by value, so that Ray alone decides how long
-    what they hold lives; so does everything that cannot be keyed.
+    what they hold lives; so does everything that cannot be keyed (``why`` gets the
+    reason, for the report).
     """
+    reason = "cannot be fingerprinted"
     if memo is None:
         memo = {}
     name = type(obj).__qualname__
@@ -271,10 +275,15 @@ def identify(obj: object, memo: Memo | None = None, reuse: bool = False) -> Iden
         # Stored, the refs or handles inside would live as long as refshare keeps the
         # value, not as long as by value keeps them: an actor would outlive its last handle.
         logger.debug("%s holds a %s: sent by value", name, held)
+        reason = f"holds a {held}, which Ray alone must keep alive"
     except RecursionError:
         logger.debug("%s is nested too deeply to fingerprint", name)
-    except Exception:
+        reason = "nested too deeply to fingerprint"
+    except Exception as error:
         logger.debug("cannot fingerprint %s", name, exc_info=True)
+        reason = f"cannot be fingerprinted ({type(error).__name__}: {error})"
+    if why is not None:
+        why.append(reason)
     return None
 
 

@@ -1,0 +1,205 @@
+"""Audit mode and the per-site report: an audit keys as sharing would and changes nothing
+Ray sends (counted in Ray's own serializations, and in what each worker received); what it
+says would be saved is what sharing then saves; the report names each call site and why a
+value went by value; ``REFSHARE_REPORT=1`` writes it when a process exits, an actor's too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+from helpers import describe
+
+import refshare
+
+pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
+
+WORKERS = 3
+
+
+@ray.remote(num_cpus=0.1)
+class Reader:
+    def read(self, *args: Any, **kwargs: Any) -> Any:
+        return describe(list(args)), describe(kwargs)
+
+
+@pytest.fixture(scope="module")
+def readers(local_ray: None) -> list[Any]:
+    group = [Reader.remote() for _ in range(WORKERS)]
+    ray.get([r.read.remote() for r in group])
+    return group
+
+
+@pytest.fixture(autouse=True)
+def _fresh_report() -> None:
+    refshare.reset_report()
+
+
+def step(readers: list[Any], batch: Any, step_no: int) -> list[Any]:
+    """One step of a trainer: the batch to every worker, a weights dict that repeats across
+    steps, and a per-step array sent to one worker."""
+    weights = {"w": np.ones(1 << 16), "b": np.zeros(1 << 15)}
+    fresh = np.full(1 << 15, float(step_no))
+    calls = [r.read.remote(batch, weights=weights) for r in readers]
+    calls.append(readers[0].read.remote(fresh))
+    return ray.get(calls)
+
+
+def run(readers: list[Any], **options: Any) -> list[Any]:
+    fan_out = refshare.shared_args(**options)(step)
+    batches = [np.full(1 << 17, 1.0), np.full(1 << 17, 1.0), np.full(1 << 17, 2.0)]
+    return [fan_out(readers, batch, i) for i, batch in enumerate(batches)]
+
+
+def test_an_audit_changes_nothing_ray_sends(
+    readers: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every value Ray serializes to send, counted where Ray serializes it (its
+    serialization context): the same values, as many times, audited as by value."""
+    from ray._private.serialization import SerializationContext
+
+    sent: list[str] = []
+    original = SerializationContext.serialize
+
+    def counted(self: Any, value: Any) -> Any:
+        sent.append(type(value).__qualname__)
+        return original(self, value)
+
+    monkeypatch.setattr(SerializationContext, "serialize", counted)
+    by_value = run(readers, enabled=False)
+    sent_by_value, sent[:] = sorted(sent), []
+    audited = run(readers, audit=True, cache=refshare.RefCache())
+    assert audited == by_value
+    assert sorted(sent) == sent_by_value and sent_by_value.count("ndarray") >= 3 * WORKERS
+    assert refshare.stats()[:2] == (0, 0)  # no put, no hit: Ray sent everything itself
+
+    row = refshare.report().rows[0]
+    assert row.audit and row.site == "step" and row.calls == 3
+    assert row.submissions == 3 * (WORKERS + 1)
+    assert row.bytes_repeated > 0 and row.puts > 0  # what sharing would have done
+
+
+@pytest.mark.verify_off  # verify's own serializations are not sharing's
+@pytest.mark.parametrize("deep", [False, None, True])
+def test_what_an_audit_would_save_is_what_sharing_saves(readers: list[Any], deep: Any) -> None:
+    audited = run(readers, audit=True, deep=deep, cache=refshare.RefCache())
+    shared = run(readers, deep=deep, cache=refshare.RefCache())
+    assert audited == shared
+    audit, sharing = refshare.report().rows
+    assert (audit.audit, sharing.audit) == (True, False)
+    assert sharing.bytes_repeated == refshare.stats().bytes_saved > 0
+    assert abs(audit.bytes_repeated - sharing.bytes_repeated) <= 0.05 * sharing.bytes_repeated
+    assert audit.bytes_distinct == sharing.bytes_distinct == refshare.stats().bytes_put
+
+
+def test_the_report_says_why_a_value_went_by_value(readers: list[Any]) -> None:
+    held = ray.put(1)
+    with_ref = [np.ones(1 << 15), held]  # a ref inside: Ray alone must keep it alive
+
+    @refshare.shared_args(deep=False)
+    def send(value: Any) -> Any:
+        return ray.get(readers[0].read.remote(value))
+
+    send(with_ref)
+    with refshare.sharing():
+        ray.get(readers[1].read.remote(np.ones(1 << 15)))
+    rows = {row.site: row for row in refshare.report().rows}
+    assert set(rows) >= {"test_the_report_says_why_a_value_went_by_value.<locals>.send"}
+    sent = rows["test_the_report_says_why_a_value_went_by_value.<locals>.send"]
+    assert sent.by_value == 1
+    ((reason, count),) = sent.reasons
+    assert count == 1 and reason.startswith("list: holds a") and "ObjectRef" in reason
+    block = next(row for site, row in rows.items() if site.startswith("sharing() at "))
+    assert block.arguments == 1 and block.puts == 1
+    table = str(refshare.report())
+    assert "send" in table and "sharing() at" in table and "holds a" in table
+    numbers = refshare.report().to_dict()
+    assert numbers[sent.site]["by_value"] == 1 and 0.0 <= numbers[sent.site]["saved"] <= 1.0
+
+
+def test_audit_is_turned_on_by_the_environment(
+    readers: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REFSHARE_AUDIT", "1")
+    with refshare.sharing():
+        ray.get([r.read.remote(np.ones(1 << 15)) for r in readers])
+    (row,) = refshare.report().rows
+    assert row.audit and row.hits == WORKERS - 1
+    assert refshare.stats()[:2] == (0, 0)
+
+
+def test_bad_audit_option_fails_at_decoration() -> None:
+    with pytest.raises(TypeError, match="audit='yes'"):
+        refshare.shared_args(audit="yes")  # type: ignore[arg-type]
+
+
+_CONTROLLER = """
+import os, sys
+import numpy as np, ray, refshare
+
+@ray.remote(num_cpus=0.1)
+class Sink:
+    def read(self, x):
+        return x.size
+
+@ray.remote(num_cpus=0.1)
+class Controller:
+    @refshare.shared_args
+    def step(self, sinks):
+        batch = np.ones(1 << 16)
+        return ray.get([s.read.remote(batch) for s in sinks])
+
+    def pid(self):
+        return os.getpid()
+
+    def stop(self):
+        ray.actor.exit_actor()
+
+ray.init(address="local", num_cpus=1, include_dashboard=False, runtime_env={
+    "worker_process_setup_hook": "refshare.worker_setup",
+    "env_vars": {"REFSHARE_REPORT": "1", "REFSHARE_ENABLE": ""},
+})
+sinks = [Sink.remote() for _ in range(2)]
+controller = Controller.remote()
+assert ray.get(controller.step.remote(sinks)) == [1 << 16] * 2
+pid = ray.get(controller.pid.remote())
+logs = ray._private.worker._global_node.get_logs_dir_path()
+try:
+    ray.get(controller.stop.remote())
+except ray.exceptions.RayActorError:
+    pass
+print(pid, logs)
+"""
+
+
+@pytest.mark.slow
+def test_a_controller_actor_writes_its_report_to_its_log_at_exit(tmp_path: Path) -> None:
+    """A trainer's controller runs in an actor (verl's ``TaskRunner``): started with
+    ``REFSHARE_REPORT=1`` through ``worker_setup``, it writes its table to its own log."""
+    script = tmp_path / "controller.py"
+    script.write_text(textwrap.dedent(_CONTROLLER))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    pid, logs = done.stdout.split()[-2:]
+    import time
+
+    deadline = time.monotonic() + 30
+    found: list[str] = []
+    while not found and time.monotonic() < deadline:
+        found = [
+            path.read_text(errors="replace") for path in Path(logs).glob(f"worker-*-{pid}.err")
+        ]
+        found = [text for text in found if f"refshare report (pid {pid})" in text]
+        time.sleep(0.5)
+    assert found, f"no report in the controller's log under {logs}"
+    assert "Controller.step" in found[0] and "sharing" in found[0]
