@@ -27,10 +27,15 @@ from _harness.stats import median, quartiles, ratio_interval, rotated
 #: :class:`Sharing`).
 AUTO = "auto"
 AUTO_OPTIONS: dict[str, Any] = {}
+#: The floor: each distinct object put once, its ref known in advance (see
+#: ``_harness.ideal``); refshare off, the framework untouched, Ray's submit path patched.
+IDEAL = "ideal"
+#: The untimed pass before each step that makes the ideal's plan (never in a table).
+RECORD = "record"
 #: The framework as it is; top-level sharing (``deep=False``); ``deep=True``; the default;
-#: and the framework as it is again, timed as one more strategy: what it measures against
-#: plain is the run's own noise.
-STRATEGIES = ("plain", "refshare", "deep", AUTO, "control")
+#: the ideal; and the framework as it is again, timed as one more strategy: what it
+#: measures against plain is the run's own noise.
+STRATEGIES = ("plain", "refshare", "deep", AUTO, IDEAL, "control")
 WITH_AUTO = STRATEGIES
 #: The options refshare is turned on with, per strategy.
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -38,11 +43,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "deep": {"deep": True},
     AUTO: AUTO_OPTIONS,
 }
-#: Strategies that run the framework untouched.
+#: Strategies that run the framework untouched (and refshare off).
 UNTOUCHED = ("plain", "control")
 #: How tables name the strategies.
 LABELS = {"plain": "plain", "refshare": "top-level", "deep": "deep", AUTO: "default",
-          "control": "plain again"}  # fmt: skip
+          IDEAL: "ideal", "control": "plain again"}  # fmt: skip
 
 
 class Sharing:
@@ -56,12 +61,16 @@ class Sharing:
 
     Each strategy gets a ``RefCache`` of its own, kept from turn to turn: sharing one,
     a strategy would find what another's turn of the same step stored (equal content is
-    keyed alike in every mode), and they would count each other's misses.
+    keyed alike in every mode), and they would count each other's misses. :data:`IDEAL`
+    and :data:`RECORD` leave the framework untouched too, with Ray's submit path patched by
+    ``self.ideal`` (see ``_harness.ideal``).
     """
 
     def __init__(self, targets: Sequence[tuple[Any, Sequence[str]]], framework: str = "") -> None:
         import refshare  # here, so that workers importing this module never import it
+        from _harness import ideal
 
+        self.ideal = ideal.Ideal()
         self.refshare, self.targets, self.framework = refshare, targets, framework
         self.originals = {(o, n): o.__dict__[n] for o, names in targets for n in names}
         where = ", ".join(f"{_name(o)}.{n}" for o, n in self.originals)
@@ -78,10 +87,12 @@ class Sharing:
 
     @contextlib.contextmanager
     def on(self, strategy: str) -> Iterator[None]:
-        if strategy in UNTOUCHED:
+        if strategy in (*UNTOUCHED, IDEAL, RECORD):
             if self._wrapped():
-                raise RuntimeError(f"plain turn, but still wrapped: {self._wrapped()}")
-            yield
+                raise RuntimeError(f"{strategy} turn, but still wrapped: {self._wrapped()}")
+            ideal = {IDEAL: self.ideal.timed, RECORD: self.ideal.recording}
+            with ideal.get(strategy, contextlib.nullcontext)():
+                yield
             return
         cache = self.caches.setdefault(strategy, self.refshare.RefCache())
         options = {"cache": cache, **OPTIONS[strategy]}
@@ -141,9 +152,9 @@ class Turn:
     """One strategy's run of one step: each call's seconds and refshare's counts."""
 
     def __init__(self) -> None:
-        import refshare
+        from _harness import ideal
 
-        self.stats = refshare.stats
+        self.stats = ideal.stats  # refshare's counts, and the ideal's
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, dict[str, int]] = {}
         self.stored = 0  # bytes the driver stored in the step
@@ -189,9 +200,13 @@ def interleave(
     strategies: Sequence[str] = STRATEGIES,
 ) -> list[dict[str, Any]]:
     """Run ``steps`` steps, every strategy once per step (each leads in turn), with the 1-min
-    load average sampled after each step; checks that every worker received the same."""
+    load average sampled after each step; checks that every worker received the same. With
+    :data:`IDEAL`, each step is first run once untimed to record the ideal's plan."""
     out = []
     for step in range(steps):
+        if IDEAL in strategies:
+            gc.collect()
+            turn(RECORD, step)
         turns = {}
         for strategy in rotated(strategies, step):
             gc.collect()
@@ -216,21 +231,38 @@ def summarize(
     }
     med = {s: {c: median(v) * 1e3 for c, v in by.items()} for s, by in times.items()}
     stored = {s: [t["turns"][s]["stored"] for t in steps] for s in strategies}
-    paired = {  # each step's own ratio: its spread shows the noise
-        s: {c: [a / b for a, b in zip(times[s][c], times["plain"][c], strict=True)] for c in names}
-        for s in strategies
-    }
+
+    def against(base: str) -> dict[str, Any]:
+        paired = {  # each step's own ratio: its spread shows the noise
+            s: {c: [a / b for a, b in zip(times[s][c], times[base][c], strict=True)] for c in names}
+            for s in strategies
+        }
+        return {
+            "ratio": {s: {c: med[s][c] / med[base][c] for c in names} for s in strategies},
+            "interval": {
+                s: {c: ratio_interval(times[s][c], times[base][c]) for c in names}
+                for s in strategies
+            },
+            "quartiles": {s: {c: quartiles(v) for c, v in by.items()} for s, by in paired.items()},
+        }
+
+    plain = against("plain")
+    floor = against(IDEAL) if IDEAL in strategies else None
     return {
         "times": times,
         "median_ms": med,
-        "ratio_to_plain": {s: {c: med[s][c] / med["plain"][c] for c in names} for s in strategies},
-        "ratio_interval": {
-            s: {c: ratio_interval(times[s][c], times["plain"][c]) for c in names}
-            for s in strategies
-        },
-        "paired_ratio_quartiles": {
-            s: {c: quartiles(v) for c, v in by.items()} for s, by in paired.items()
-        },
+        "ratio_to_plain": plain["ratio"],
+        "ratio_interval": plain["interval"],
+        "paired_ratio_quartiles": plain["quartiles"],
+        **(
+            {}
+            if floor is None
+            else {
+                "ratio_to_ideal": floor["ratio"],
+                "ideal_interval": floor["interval"],
+                "paired_ideal_quartiles": floor["quartiles"],
+            }
+        ),
         "stored_per_step": stored,
         "stored_median": {s: median(v) for s, v in stored.items()},
         "stored_per_call_median": {
@@ -252,14 +284,19 @@ def replay(
     strategies: Sequence[str] = STRATEGIES,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Warm the store, then ``config.warmup`` untimed and ``config.steps`` timed steps of
-    every strategy, interleaved: the timed steps, and what a report keeps of them."""
+    every strategy, interleaved, then a few instrumented steps of plain, the default and the
+    ideal (``_harness.phases``): the timed steps, and what a report keeps of them."""
     log(f"{label}: warming the store")
     warm_seconds = session.warm_store(workers, config.store_bytes)
     every = interleave(label, config.warmup + config.steps, turn, strategies)
     timed = every[config.warmup :]
+    from _harness import phases  # (it imports this module)
+
+    summary = summarize(timed, calls, strategies)
+    summary["phases"] = phases.measure(label, config.mode, len(every), turn, strategies)
     return timed, {
         "warm_store_seconds": round(warm_seconds, 1),
-        "summary": summarize(timed, calls, strategies),
+        "summary": summary,
         "checksums_same_every_step": [t["same"] for t in every],
     }
 

@@ -245,7 +245,7 @@ def fingerprint_pass(obj: object, memo: Memo, reuse: bool, strict: bool) -> tupl
 
 
 def identify(
-    obj: object, memo: Memo | None = None, reuse: bool = False, why: list[str] | None = None
+    obj: object, memo: Memo | None = None, reuse: bool = False, reasons: list[str] | None = None
 ) -> Identified | None:
     """Key ``obj``, serializing it at most once; ``None`` when it must go by value.
 
@@ -254,8 +254,8 @@ def identify(
     what refshare cannot hash (a GPU tensor, a function sent as code), is pickled once with
     Ray's pickler and keyed by that pickle, which is then what ``ray.put`` stores. Values
     holding object refs or actor handles go by value, so that Ray alone decides how long
-    what they hold lives; so does everything that cannot be keyed (``why`` gets the
-    reason, for the report).
+    what they hold lives; so does everything that cannot be keyed (``reasons`` gets
+    why, for the report).
     """
     reason = "cannot be fingerprinted"
     if memo is None:
@@ -282,8 +282,8 @@ def identify(
     except Exception as error:
         logger.debug("cannot fingerprint %s", name, exc_info=True)
         reason = f"cannot be fingerprinted ({type(error).__name__}: {error})"
-    if why is not None:
-        why.append(reason)
+    if reasons is not None:
+        reasons.append(reason)
     return None
 
 
