@@ -187,7 +187,13 @@ def test_a_loop_whose_program_holds_a_third_of_the_store_spills_no_more_than_by_
     """The program keeps its last eight results (64 MiB, a third of the store) while each
     step sends a new 40 MiB batch: by value nothing spills. What refshare keeps (the
     scope's batches, the cache's) yields to what the program holds: it spills no more and
-    raises nothing."""
+    raises nothing. Promised where refshare reads the raylet's count (``ray[default]``)."""
+    from refshare._ray.session import _raylet_store_used
+
+    try:
+        _raylet_store_used()
+    except Exception as error:
+        pytest.skip(f"the raylet's count cannot be read here ({type(error).__name__})")
 
     def loop() -> tuple[list[Any], list[int]]:
         kept: list[Any] = []
