@@ -298,6 +298,7 @@ def scope_budget() -> int:
 
 _process_cache = RefCache()
 _audit_caches: weakref.WeakKeyDictionary[RefCache, RefCache] = weakref.WeakKeyDictionary()
+_audit_lock = threading.Lock()
 
 
 def audit_cache(cache: RefCache) -> RefCache:
@@ -310,9 +311,6 @@ def audit_cache(cache: RefCache) -> RefCache:
             found = _audit_caches[cache] = RefCache(cache._max_bytes)
             found._counted = False
         return found
-
-
-_audit_lock = threading.Lock()
 
 
 def process_cache() -> RefCache:

@@ -101,12 +101,11 @@ class Skeleton:
         self.handles = split.handles
         #: The stored objects a stored skeleton keeps alive, each once with its bytes: the
         #: members stored alone, and each bundle whole.
-        self.keeps = tuple(
-            {
-                (r.ref if type(r) is Bundled else r): (r.nbytes if type(r) is Bundled else m.nbytes)
-                for m, r in zip(split.members, refs, strict=True)
-            }.items()
-        )
+        keeps = {r.ref: r.nbytes for r in refs if type(r) is Bundled}
+        for member, ref in zip(split.members, refs, strict=True):
+            if type(ref) is not Bundled:
+                keeps[ref] = member.nbytes
+        self.keeps = tuple(keeps.items())
         self.key = split.key(b"skeleton")
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:

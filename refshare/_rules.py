@@ -61,8 +61,8 @@ def _dispatch_tables() -> list[Any]:
 
 
 def pickling_epoch() -> tuple[int, ...]:
-    """Changes whenever an entry is added to a dispatch table: which reader serves a class,
-    worked out before, is then worked out again (see ``TypeTable``)."""
+    """Changes whenever an entry is added to a dispatch table: what was cached of a class's
+    pickling (``refshare._keys.pickler.runs_own_pickling``) is then worked out again."""
     return tuple(map(len, _dispatch_tables()))
 
 
@@ -127,7 +127,7 @@ def pickles_as(cls: type, registered: type) -> bool:
     slots), and ``registered``'s dispatch entry, if any, must be its own package's (as
     tensordict registers one for ``TensorDict``): a reducer registered by the program is
     not what the reader models."""
-    entry = pickling_of(registered)[0]
+    entry = dispatch_entry(registered)
     if entry is not None and reducer_package(entry) != package_of(registered):
         return False
     return cls is registered or pickling_of(cls) == pickling_of(registered)
