@@ -16,8 +16,7 @@ call: ``get_logprobs`` (then ``prev_logprobs``), ``get_reference_policy_logprobs
 ``reference_policy_logprobs``), ``train``. Workers only checksum what they received and
 compute the new key cheaply. Strategies, interleaved per step: **plain**, **refshare** and
 **deep** (``deep=True``), both as ``refshare.patch_methods`` of the four ``run_*`` names,
-which is what ``refshare.enable("nemo_rl")`` wraps, and the default; **ideal**, the floor a
-perfect memoizer reaches (``_harness/ideal.py``); and **plain again**, NeMo-RL untouched
+which is what ``refshare.enable("nemo_rl")`` wraps; and **plain again**, NeMo-RL untouched
 timed once more, whose ratio to plain is the run's own noise.
 
     python benchmarks/nemo_step.py           # about 3 minutes

@@ -16,10 +16,8 @@ workers for their DP ranks on a mesh's first use and ``parallel_put``s one chunk
 whose two TP ranks get the same ref. Strategies, interleaved per step: **plain**,
 **refshare** (top-level) and **deep** (``deep=True``): on dp, ``patch_methods`` of
 ``execute_all_async``; on nd, ``refshare.enable("verl")`` (``execute_all_async`` and
-``parallel_put``; the same two on the mirror); the default; **ideal**, the floor a perfect
-memoizer reaches (``_harness/ideal.py``: each distinct value, or member, put once, its ref
-known in advance); and **plain again**, the framework untouched timed once more, whose ratio
-to plain is the run's own noise.
+``parallel_put``; the same two on the mirror); and **plain again**, the framework untouched
+timed once more, whose ratio to plain is the run's own noise.
 
 ``--flow tensordict`` replays instead what verl 0.9.1's legacy trainer
 (``trainer.use_v1=False``) sends, on the nd dispatch: no broadcast, and five calls

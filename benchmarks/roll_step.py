@@ -23,9 +23,8 @@ the actor worker's methods (the reference cluster's too) ``DP_MP_DISPATCH_FIRST`
 to TP rank 0 and ``meta_info`` alone to the other; the critic's ``DP_MP_COMPUTE``, the chunk
 to both. Workers only checksum what they received and compute the new key cheaply.
 Strategies, interleaved per step: **plain**; **refshare** (top-level, ``deep=False``),
-**deep** (``deep=True``) and the **default**, each through ``refshare.enable("roll")``;
-**ideal**, the floor a perfect memoizer reaches (``_harness/ideal.py``); and **plain
-again**, ROLL untouched timed once more, whose ratio to plain is the run's noise.
+**deep** (``deep=True``) and the **default**, each through ``refshare.enable("roll")``; and
+**plain again**, ROLL untouched timed once more, whose ratio to plain is the run's noise.
 
     python benchmarks/roll_step.py           # about 2 minutes
     python benchmarks/roll_step.py --smoke   # tiny batch: seconds

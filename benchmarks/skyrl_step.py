@@ -21,9 +21,8 @@ DP rank, the policy with its advantages normalized first, and runs ``forward_bac
 Strategies, interleaved per step: **plain**, **refshare** (``deep=False``), **deep**
 (``deep=True``) and the **default**, all as ``refshare.patch_methods`` of what
 ``refshare.enable("skyrl")`` wraps (``PPORayActorGroup.async_run_ray_method`` and the
-classmethod ``MeshDispatch.stage_chunks``); **ideal**, the floor a perfect memoizer reaches
-(``_harness/ideal.py``); and **plain again**, SkyRL untouched timed once more, whose ratio to
-plain is the run's own noise.
+classmethod ``MeshDispatch.stage_chunks``); and **plain again**, SkyRL untouched timed once
+more, whose ratio to plain is the run's own noise.
 
     python benchmarks/skyrl_step.py           # about 2 minutes
     python benchmarks/skyrl_step.py --smoke   # 16 sequences: seconds

@@ -36,7 +36,7 @@ import ray
 from . import _stats
 from ._hashing import Buffer, BufferHasher
 from ._ray.submit import raw_put
-from ._wire.serialized import native_split, ray_handle_types
+from ._wire.serialized import native_split
 from ._wire.tensors import pickled_as_storage, storage_bytes
 
 logger = logging.getLogger("refshare")
@@ -88,19 +88,6 @@ def _tensor(*description: object) -> None:
     """Stands for a tensor in a by-value digest; never called."""
 
 
-def _handle(*description: object) -> None:
-    """Stands for an object ref or an actor handle in a by-value digest; never called."""
-
-
-def _describe_handle(obj: Any) -> tuple[Any, tuple[Any, ...]]:
-    """An object ref or actor handle as what it names. Ray's own reducers, run outside its
-    serialization of a task or put (as a digest runs them), would pin the object or actor
-    for the life of the process: a value holding one, verified, would never be freed."""
-    if isinstance(obj, ray.ObjectRef):
-        return _handle, ("ref", obj.binary())
-    return _handle, ("actor", obj._ray_actor_id.binary())
-
-
 @functools.cache
 def _describer() -> type[pickle.Pickler]:
     """Ray's pickler, describing arrays and CPU tensors by what their pickling sends but
@@ -118,8 +105,6 @@ def _describer() -> type[pickle.Pickler]:
             numpy = sys.modules.get("numpy")
             if numpy is not None and cls is numpy.ndarray:
                 return _describe_array(obj)
-            if isinstance(obj, ray_handle_types()):
-                return _describe_handle(obj)
             torch = sys.modules.get("torch")
             if torch is not None and cls is torch.Tensor and pickled_as_storage(obj, True):
                 return self.describe_tensor(obj)

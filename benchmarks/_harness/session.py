@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -112,17 +111,3 @@ def stop_group(group: Any) -> None:
         ray.kill(actor)
     for pg in getattr(getattr(group, "resource_pool", None), "pgs", None) or ():
         ray.util.remove_placement_group(pg)
-
-
-def spill_stats() -> dict[str, int]:
-    """MiB the object stores have spilled to disk and restored in this session so far
-    (``memory_summary(stats_only=True)``, whole MiB)."""
-    from ray._private.internal_api import memory_summary
-
-    address = ray.get_runtime_context().gcs_address
-    text = memory_summary(address=address, stats_only=True)
-    found = {}
-    for name in ("Spilled", "Restored"):
-        match = re.search(rf"{name} (\d+) MiB", text)
-        found[name.lower()] = int(match.group(1)) if match else 0
-    return found

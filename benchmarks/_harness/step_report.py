@@ -7,7 +7,7 @@ from typing import Any
 
 from _harness.report import DASH, TIMES, TIMES_LE, MiB, machine_lines, ms, table
 from _harness.stats import median
-from _harness.steps import AUTO, IDEAL, LABELS
+from _harness.steps import AUTO, LABELS
 
 
 def setup_lines(results: dict[str, Any], workers: str, strategies: Sequence[str]) -> list[str]:
@@ -21,22 +21,11 @@ def setup_lines(results: dict[str, Any], workers: str, strategies: Sequence[str]
         f"{c['steps']} timed steps after {c['warmup']} untimed, the {NUMBERS[len(strategies)]} "
         "strategies interleaved (each leads in turn; plain runs twice, the second time as the "
         "control); each turn gets its own copy of the step's batch, new content every step.",
-        *([] if IDEAL not in strategies else [IDEAL_TEXT]),
         "",
     ]
 
 
-NUMBERS = {4: "four", 5: "five", 6: "six", 7: "seven"}
-IDEAL_TEXT = (
-    "*ideal* is the floor a perfect memoizer reaches on the step (`_harness/ideal.py`): before "
-    "each step, an untimed pass runs it as the framework does and fingerprints every argument "
-    "of every `.remote()` and `ray.put` over refshare's 100 KiB, and their large members; in "
-    "the timed turn Ray's submit path substitutes, by submission position, the ref each "
-    "distinct value (or, where members repeat, each distinct member, in a skeleton of "
-    "refshare's own wire) was first put under, each put once in the turn, in the form a miss "
-    "of refshare stores: no keying, sizing, cache or counting. *default ÷ ideal* is what "
-    "refshare pays for not knowing in advance."
-)
+NUMBERS = {4: "four", 5: "five"}
 
 
 def goals(summary: dict[str, Any], broadcast_hit: bool | None) -> list[tuple[str, bool]]:
@@ -86,21 +75,6 @@ def auto_goals(summary: dict[str, Any]) -> list[tuple[str, bool]]:
          f"({stored[AUTO] / distinct:.2f})", stored[AUTO] <= 1.15 * distinct),
         (f"default: no call above plain beyond the run's noise ({worst_call(summary, AUTO)})",
          low <= 1.05),
-        *ideal_goals(summary),
-    ]  # fmt: skip
-
-
-def ideal_goals(summary: dict[str, Any]) -> list[tuple[str, bool]]:
-    """The default within 1.15 times the ideal, on every call and the whole step."""
-    if "ratio_to_ideal" not in summary:
-        return []
-    r, interval = summary["ratio_to_ideal"][AUTO], summary["ideal_interval"][AUTO]
-    worst = max((c for c in r if c != "step"), key=lambda c: r[c])
-    low, high = interval[worst]
-    return [
-        (f"default: every call and the whole step {TIMES_LE} 1.15{TIMES} ideal (worst call "
-         f"{worst} {r[worst]:.2f}, 95% interval {low:.2f}{DASH}{high:.2f}; whole step "
-         f"{r['step']:.2f})", max(r.values()) <= 1.15),
     ]  # fmt: skip
 
 
@@ -118,13 +92,6 @@ def worst_call(summary: dict[str, Any], strategy: str) -> str:
     )
 
 
-def ratio(summary: dict[str, Any], call: str) -> str:
-    """The default's median over the ideal's for ``call``, with the quartiles of each
-    step's own ratio."""
-    r, q = summary["ratio_to_ideal"][AUTO][call], summary["paired_ideal_quartiles"][AUTO][call]
-    return f"{r:.2f} ({q[0]:.2f}{DASH}{q[2]:.2f})"
-
-
 def step_report(
     summary: dict[str, Any], labels: dict[str, str], held: list[Any], goals_title: str = "Goals"
 ) -> list[str]:
@@ -132,19 +99,16 @@ def step_report(
     med, r, q = summary["median_ms"], summary["ratio_to_plain"], summary["paired_ratio_quartiles"]
     strategies = list(med)
     shared = strategies[1:]
-    floor = AUTO in strategies and "ratio_to_ideal" in summary
     header = [
         "call",
         *(f"{LABELS[s]} (ms)" for s in strategies),
         *(f"{LABELS[s]} ÷ plain" for s in shared),
-        *([f"{LABELS[AUTO]} ÷ ideal"] if floor else []),
     ]
     rows = [
         [
             labels.get(c, c),
             *(ms(med[s][c] / 1e3) for s in strategies),
             *(f"{r[s][c]:.2f} ({q[s][c][0]:.2f}{DASH}{q[s][c][2]:.2f})" for s in shared),
-            *([ratio(summary, c)] if floor else []),
         ]
         for c in med["plain"]
     ]
@@ -194,43 +158,8 @@ def step_report(
         "",
         *table(["call", *(LABELS[s] for s in storing)], crows),
         "",
-        *phase_lines(summary.get("phases") or {}),
         f"{goals_title}:",
         "",
         *(f"- {text}: {'yes' if ok else 'NO'}" for text, ok in held),
-        "",
-    ]
-
-
-def phase_lines(found: dict[str, Any]) -> list[str]:
-    """Where the default's time over the ideal's goes (see ``_harness.phases``)."""
-    if not found:
-        return []
-    from _harness.phases import PHASES
-
-    med = {
-        s: {**m, "rest": m["step"] - sum(m[k] for k in PHASES)}
-        for s, m in found["medians_ms"].items()
-    }
-    keys = ["step", *PHASES, "rest", "workers"]
-    rows = [[LABELS[s], *(f"{med[s][k]:.1f}" for k in keys)] for s in med]
-    rows.append([
-        f"{LABELS[AUTO]} {DASH} ideal",
-        *(f"{med[AUTO][k] - med[IDEAL][k]:+.1f}" for k in keys),
-    ])  # fmt: skip
-    header = ["strategy", "whole step", *PHASES, "rest of the step", "workers deserializing"]
-    return [
-        f"Where the time goes (ms, medians of {found['steps']} more steps, untimed above, "
-        "plain, default and ideal interleaved, refshare's phases and the ideal's timed on the "
-        "driver, each exclusive of the phases it calls; workers: Ray's "
-        "`task:deserialize_arguments`, summed over the workers):",
-        "",
-        *table(header, rows),
-        "",
-        "Keying includes, for values whose pickling runs code of its own, the pickle refshare "
-        "hashes and then stores as it is (the ideal pickles them in storing); splitting is "
-        "the one pickling pass that takes members out, which both make. The rest of the step "
-        "is what no phase covers: the framework's own work, Ray's submission, and waiting for "
-        "the workers, whose deserializing runs beside the driver (on 2 cores, with it).",
         "",
     ]

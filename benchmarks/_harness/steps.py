@@ -27,15 +27,10 @@ from _harness.stats import median, quartiles, ratio_interval, rotated
 #: :class:`Sharing`).
 AUTO = "auto"
 AUTO_OPTIONS: dict[str, Any] = {}
-#: The floor: each distinct object put once, its ref known in advance (see
-#: ``_harness.ideal``); refshare off, the framework untouched, Ray's submit path patched.
-IDEAL = "ideal"
-#: The untimed pass before each step that makes the ideal's plan (never in a table).
-RECORD = "record"
 #: The framework as it is; top-level sharing (``deep=False``); ``deep=True``; the default;
-#: the ideal; and the framework as it is again, timed as one more strategy: what it
-#: measures against plain is the run's own noise.
-STRATEGIES = ("plain", "refshare", "deep", AUTO, IDEAL, "control")
+#: and the framework as it is again, timed as one more strategy: what it measures against
+#: plain is the run's own noise.
+STRATEGIES = ("plain", "refshare", "deep", AUTO, "control")
 WITH_AUTO = STRATEGIES
 #: The options refshare is turned on with, per strategy.
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -43,11 +38,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "deep": {"deep": True},
     AUTO: AUTO_OPTIONS,
 }
-#: Strategies that run the framework untouched (and refshare off).
+#: Strategies that run the framework untouched.
 UNTOUCHED = ("plain", "control")
 #: How tables name the strategies.
 LABELS = {"plain": "plain", "refshare": "top-level", "deep": "deep", AUTO: "default",
-          IDEAL: "ideal", "control": "plain again"}  # fmt: skip
+          "control": "plain again"}  # fmt: skip
 
 
 class Sharing:
@@ -61,16 +56,12 @@ class Sharing:
 
     Each strategy gets a ``RefCache`` of its own, kept from turn to turn: sharing one,
     a strategy would find what another's turn of the same step stored (equal content is
-    keyed alike in every mode), and they would count each other's misses. :data:`IDEAL`
-    and :data:`RECORD` leave the framework untouched too, with Ray's submit path patched by
-    ``self.ideal`` (see ``_harness.ideal``).
+    keyed alike in every mode), and they would count each other's misses.
     """
 
     def __init__(self, targets: Sequence[tuple[Any, Sequence[str]]], framework: str = "") -> None:
         import refshare  # here, so that workers importing this module never import it
-        from _harness import ideal
 
-        self.ideal = ideal.Ideal()
         self.refshare, self.targets, self.framework = refshare, targets, framework
         self.originals = {(o, n): o.__dict__[n] for o, names in targets for n in names}
         where = ", ".join(f"{_name(o)}.{n}" for o, n in self.originals)
@@ -87,12 +78,10 @@ class Sharing:
 
     @contextlib.contextmanager
     def on(self, strategy: str) -> Iterator[None]:
-        if strategy in (*UNTOUCHED, IDEAL, RECORD):
+        if strategy in UNTOUCHED:
             if self._wrapped():
-                raise RuntimeError(f"{strategy} turn, but still wrapped: {self._wrapped()}")
-            ideal = {IDEAL: self.ideal.timed, RECORD: self.ideal.recording}
-            with ideal.get(strategy, contextlib.nullcontext)():
-                yield
+                raise RuntimeError(f"plain turn, but still wrapped: {self._wrapped()}")
+            yield
             return
         cache = self.caches.setdefault(strategy, self.refshare.RefCache())
         options = {"cache": cache, **OPTIONS[strategy]}
@@ -152,9 +141,9 @@ class Turn:
     """One strategy's run of one step: each call's seconds and refshare's counts."""
 
     def __init__(self) -> None:
-        from _harness import ideal
+        import refshare
 
-        self.stats = ideal.stats  # refshare's counts, and the ideal's
+        self.stats = refshare.stats
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, dict[str, int]] = {}
         self.stored = 0  # bytes the driver stored in the step
@@ -200,13 +189,9 @@ def interleave(
     strategies: Sequence[str] = STRATEGIES,
 ) -> list[dict[str, Any]]:
     """Run ``steps`` steps, every strategy once per step (each leads in turn), with the 1-min
-    load average sampled after each step; checks that every worker received the same. With
-    :data:`IDEAL`, each step is first run once untimed to record the ideal's plan."""
+    load average sampled after each step; checks that every worker received the same."""
     out = []
     for step in range(steps):
-        if IDEAL in strategies:
-            gc.collect()
-            turn(RECORD, step)
         turns = {}
         for strategy in rotated(strategies, step):
             gc.collect()
@@ -231,38 +216,21 @@ def summarize(
     }
     med = {s: {c: median(v) * 1e3 for c, v in by.items()} for s, by in times.items()}
     stored = {s: [t["turns"][s]["stored"] for t in steps] for s in strategies}
-
-    def against(base: str) -> dict[str, Any]:
-        paired = {  # each step's own ratio: its spread shows the noise
-            s: {c: [a / b for a, b in zip(times[s][c], times[base][c], strict=True)] for c in names}
-            for s in strategies
-        }
-        return {
-            "ratio": {s: {c: med[s][c] / med[base][c] for c in names} for s in strategies},
-            "interval": {
-                s: {c: ratio_interval(times[s][c], times[base][c]) for c in names}
-                for s in strategies
-            },
-            "quartiles": {s: {c: quartiles(v) for c, v in by.items()} for s, by in paired.items()},
-        }
-
-    plain = against("plain")
-    floor = against(IDEAL) if IDEAL in strategies else None
+    paired = {  # each step's own ratio: its spread shows the noise
+        s: {c: [a / b for a, b in zip(times[s][c], times["plain"][c], strict=True)] for c in names}
+        for s in strategies
+    }
     return {
         "times": times,
         "median_ms": med,
-        "ratio_to_plain": plain["ratio"],
-        "ratio_interval": plain["interval"],
-        "paired_ratio_quartiles": plain["quartiles"],
-        **(
-            {}
-            if floor is None
-            else {
-                "ratio_to_ideal": floor["ratio"],
-                "ideal_interval": floor["interval"],
-                "paired_ideal_quartiles": floor["quartiles"],
-            }
-        ),
+        "ratio_to_plain": {s: {c: med[s][c] / med["plain"][c] for c in names} for s in strategies},
+        "ratio_interval": {
+            s: {c: ratio_interval(times[s][c], times["plain"][c]) for c in names}
+            for s in strategies
+        },
+        "paired_ratio_quartiles": {
+            s: {c: quartiles(v) for c, v in by.items()} for s, by in paired.items()
+        },
         "stored_per_step": stored,
         "stored_median": {s: median(v) for s, v in stored.items()},
         "stored_per_call_median": {
@@ -284,19 +252,14 @@ def replay(
     strategies: Sequence[str] = STRATEGIES,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Warm the store, then ``config.warmup`` untimed and ``config.steps`` timed steps of
-    every strategy, interleaved, then a few instrumented steps of plain, the default and the
-    ideal (``_harness.phases``): the timed steps, and what a report keeps of them."""
+    every strategy, interleaved: the timed steps, and what a report keeps of them."""
     log(f"{label}: warming the store")
     warm_seconds = session.warm_store(workers, config.store_bytes)
     every = interleave(label, config.warmup + config.steps, turn, strategies)
     timed = every[config.warmup :]
-    from _harness import phases  # (it imports this module)
-
-    summary = summarize(timed, calls, strategies)
-    summary["phases"] = phases.measure(label, config.mode, len(every), turn, strategies)
     return timed, {
         "warm_store_seconds": round(warm_seconds, 1),
-        "summary": summary,
+        "summary": summarize(timed, calls, strategies),
         "checksums_same_every_step": [t["same"] for t in every],
     }
 
