@@ -72,8 +72,10 @@ def _describe_array(arr: Any) -> tuple[Any, tuple[Any, ...]]:
 
 
 class _Storage:
-    """Stands for one tensor storage in a by-value digest: one object per storage in a
-    dump, so that tensors sharing a storage show it as pickle's memo shows any aliasing."""
+    """Stands for one tensor's storage in a by-value digest. Pickle sends each tensor with
+    a storage of its own (two views of one storage arrive as two copies), so a tensor's
+    token is not shared with another's; one tensor object sent twice is one object of the
+    dump, as pickle's memo keeps it."""
 
     __slots__ = ("data",)
 
@@ -98,8 +100,6 @@ def _describer() -> type[pickle.Pickler]:
     base: type[Any] = cloudpickle.CloudPickler
 
     class Describer(base):  # type: ignore[misc]
-        storages: dict[int, _Storage]
-
         def reducer_override(self, obj: Any) -> Any:
             cls = type(obj)
             numpy = sys.modules.get("numpy")
@@ -111,11 +111,7 @@ def _describer() -> type[pickle.Pickler]:
             return super().reducer_override(obj)
 
         def describe_tensor(self, t: Any) -> tuple[Any, tuple[Any, ...]]:
-            storage = t.untyped_storage()
-            storages = self.__dict__.setdefault("storages", {})
-            token = storages.get(storage._cdata)
-            if token is None:
-                token = storages[storage._cdata] = _Storage(storage_bytes(t))
+            token = _Storage(storage_bytes(t))
             layout = (str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset())
             flags = (t.requires_grad, t.is_conj(), t.is_neg())
             return _tensor, (*layout, flags, token, getattr(t, "__dict__", None) or None)

@@ -174,3 +174,28 @@ def test_the_by_value_digest_tells_apart_what_a_worker_can() -> None:
     assert serialized_digest({"x": a}) != serialized_digest({"x": a.astype(np.int32)})
     assert serialized_digest([a, a]) != serialized_digest([a, a.copy()])  # aliasing
     assert serialized_digest(a) != serialized_digest(np.asfortranarray(a.reshape(64, 64)))
+
+
+def test_the_by_value_digest_sees_tensor_aliasing_as_pickle_sends_it() -> None:
+    """Pickle sends each tensor with a storage of its own: a view of another entry's storage
+    arrives as a copy, so it digests as a copy does. One tensor sent twice is one object."""
+    torch = pytest.importorskip("torch")
+    from refshare._verify import serialized_digest
+
+    a = torch.arange(1 << 12, dtype=torch.float32)
+    view, copy = {"a": a, "b": a[:16]}, {"a": a, "b": a.clone()[:16]}
+    assert serialized_digest(view) == serialized_digest(copy)
+    assert serialized_digest([a, a]) != serialized_digest([a, a.clone()])
+
+
+@pytest.mark.parametrize("deep", DEEP)
+def test_views_of_one_storage_are_no_mismatch(probes: list[Any], deep: Any) -> None:
+    """A view of another entry's storage, then its clone in that place: both arrive as by
+    value, and verify reports neither (it did, when it digested storages as shared)."""
+    torch = pytest.importorskip("torch")
+    a = torch.arange(1 << 14, dtype=torch.float32)
+    for value in ({"a": a, "b": a[: 1 << 12]}, {"a": a, "b": a.clone()[: 1 << 12]}):
+        got = shared(probes, value, deep=deep, verify=True)
+        want = by_value(probes, value)
+        assert got == want, first_difference(got[0], want[0])
+    assert refshare.stats().mismatches == 0
