@@ -114,8 +114,14 @@ def scalar() -> np.ndarray:
     return arr
 
 
+def unpickled() -> np.ndarray:
+    """The uid column as it comes back from a worker: its dtype made anew, not builtin."""
+    return pickle.loads(pickle.dumps(uid_column(), protocol=5))
+
+
 CASES: dict[str, Callable[[], np.ndarray]] = {
     "uid-column": uid_column,
+    "unpickled": unpickled,
     "equal-but-distinct": equal_but_distinct,
     "interned-literals": interned_literals,
     "f-order-2d": f_order_2d,
@@ -139,6 +145,15 @@ def test_the_cases_are_what_they_say() -> None:
         assert (form.args[3] is not None) == repeats, name
     column = uid_column()
     assert column[0] is column[SAMPLES - 1] and column[0] is not column[SAMPLES]
+    assert unpickled().dtype.isbuiltin == 0
+
+
+def test_an_unpickled_column_is_keyed_as_the_original() -> None:
+    """A column back from a worker pickles as the one sent: it is found again (it was keyed
+    by its pickle, apart, because its dtype is not numpy's builtin one)."""
+    column = uid_column()
+    assert pickle.dumps(unpickled(), protocol=5) == pickle.dumps(column, protocol=5)
+    assert refshare.fingerprint(unpickled()) == refshare.fingerprint(column)
 
 
 # -- what a worker receives -----------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any, Literal, NamedTuple
 
 from .._ray.pickling import ship_by_value
 from . import bootstrap
-from .arrays import pickle_order
+from .arrays import dtype_token, pickle_order
 
 
 class Joined(NamedTuple):
@@ -89,6 +89,13 @@ def _nuls(text: str) -> int:
     return raw.size - int(np.count_nonzero(raw))
 
 
+def _plain_objects(dtype: Any, numpy: Any) -> bool:
+    """Whether ``dtype`` pickles as numpy's own object dtype: that one, or one unpickled
+    from it (numpy's unpickling makes a dtype anew, never the builtin one), but not one
+    with metadata."""
+    return dtype.isbuiltin == 1 or dtype_token(dtype) == dtype_token(numpy.dtype(object))
+
+
 def joined(arr: Any) -> Joined | None:
     """An array of objects as its strings joined by NUL, in the order numpy pickles them,
     and which elements are one object; ``None`` unless every element is an exact ``str``
@@ -96,7 +103,7 @@ def joined(arr: Any) -> Joined | None:
     numpy = sys.modules.get("numpy")
     if numpy is None or type(arr) is not numpy.ndarray or not arr.size:
         return None
-    if arr.dtype.kind != "O" or arr.dtype.isbuiltin != 1:
+    if arr.dtype.kind != "O" or not _plain_objects(arr.dtype, numpy):
         return None  # not objects, or objects with metadata (h5py's vlen strings) to keep
     order = pickle_order(arr)
     flat = arr.ravel(order=order)
