@@ -90,11 +90,16 @@ def _tensor(*description: object) -> None:
     """Stands for a tensor in a by-value digest; never called."""
 
 
+def _handle(*description: object) -> None:
+    """Stands for an ``ObjectRef`` or an actor handle in a by-value digest; never called."""
+
+
 @functools.cache
 def _describer() -> type[pickle.Pickler]:
     """Ray's pickler, describing arrays and CPU tensors by what their pickling sends but
     not where it lies: torch's pickle of a tensor holds its storage's address, which
-    differs between two equal tensors."""
+    differs between two equal tensors. Refs and actor handles are described by their ids:
+    pickled outside a task's serialization, Ray would keep what they name alive for good."""
     from ray import cloudpickle
 
     base: type[Any] = cloudpickle.CloudPickler
@@ -108,6 +113,10 @@ def _describer() -> type[pickle.Pickler]:
             torch = sys.modules.get("torch")
             if torch is not None and cls is torch.Tensor and pickled_as_storage(obj, True):
                 return self.describe_tensor(obj)
+            if isinstance(obj, ray.ObjectRef):  # what a worker receives: a ref to this object
+                return _handle, ("ref", obj.binary())
+            if isinstance(obj, ray.actor.ActorHandle):  # and a handle to this actor
+                return _handle, ("actor", obj._actor_id.binary())
             return super().reducer_override(obj)
 
         def describe_tensor(self, t: Any) -> tuple[Any, tuple[Any, ...]]:

@@ -5,8 +5,10 @@ against a by-value send, and what verify counted (``stats().mismatches``) and lo
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -199,3 +201,38 @@ def test_views_of_one_storage_are_no_mismatch(probes: list[Any], deep: Any) -> N
         want = by_value(probes, value)
         assert got == want, first_difference(got[0], want[0])
     assert refshare.stats().mismatches == 0
+
+
+@ray.remote(num_cpus=0.01)
+class Named:
+    def ping(self) -> bool:
+        return True
+
+
+@ray.remote(num_cpus=0.05)
+def use(value: Any) -> int:
+    handle, ref, data = value
+    return int(ray.get(handle.ping.remote())) + int(ray.get(ref).size > 0) + int(data.size > 0)
+
+
+@pytest.mark.parametrize("deep", DEEP)
+def test_verify_keeps_no_ref_or_handle_alive(deep: Any) -> None:
+    """The by-value digest names refs and handles by their ids: pickling them outside a
+    task would keep the actor (and the object) alive for good."""
+
+    name = f"verify-named-{deep}"
+    value = [Named.options(name=name).remote(), ray.put(np.ones(1 << 16)), np.ones(1 << 16)]
+    with refshare.sharing(min_bytes=1 << 10, deep=deep, verify=True):
+        assert ray.get([use.remote(value) for _ in range(2)], timeout=60) == [3, 3]
+    assert refshare.stats().mismatches == 0
+    del value
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name)
+        except ValueError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the actor outlived its last handle")
