@@ -250,6 +250,7 @@ def two_states(sink: Any, value: Any, poke: Callable[[int], None]) -> Callable[[
     return two_steps
 
 
+@pytest.mark.verify_off  # what refshare sends without verify; verify catches it
 def test_documented_limit_an_array_changed_within_one_call(sink: Any) -> None:
     # docs/guarantees.md: within one call an array is hashed once; a change in place that
     # touches none of the 512 spot-checked elements, between two .remote() of the same

@@ -262,6 +262,7 @@ def large_member() -> Case:
 BLIND = {"top-level": large_top_level, "member": large_member}
 
 
+@pytest.mark.verify_off  # what refshare sends without verify; verify catches it
 @DEEP_MODES
 @pytest.mark.parametrize("case", BLIND)
 def test_documented_blind_spot_a_large_array_changed_within_one_call(
@@ -273,6 +274,18 @@ def test_documented_blind_spot_a_large_array_changed_within_one_call(
     value, change = BLIND[case]()
     shared, by_value = sent_then_changed(probe, value, change, deep=deep)
     assert shared == [by_value[0], by_value[0]] != by_value
+
+
+@pytest.mark.mismatches_expected
+@DEEP_MODES
+@pytest.mark.parametrize("case", BLIND)
+def test_verify_mode_closes_the_blind_spot(probe: Any, case: str, deep: bool | None) -> None:
+    """Under verify, the same change is caught: a mismatch, and the second send by value."""
+    value, change = BLIND[case]()
+    refshare.reset_stats()
+    shared, by_value = sent_then_changed(probe, value, change, deep=deep, verify=True)
+    assert_received_as_by_value(shared, by_value)
+    assert refshare.stats().mismatches >= 1
 
 
 @DEEP_MODES
@@ -319,6 +332,7 @@ class Alike:
         return Alike, (self.data,)
 
 
+@pytest.mark.mismatches_expected  # pickles anew each time: verify reports it, safely
 def test_a_pickle_kept_within_a_call_vouches_only_for_classes_seen_to_pickle_alike(
     probe: Any,
 ) -> None:
