@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import ray
+import skyrl_wheel
 
 import refshare
 from refshare._verify import verify_by_env
@@ -18,6 +19,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (_TESTS, os.environ.get("PYTHONPATH", "")) if p
+)
+
+skyrl_wheel.stand_in()
+#: Where SkyRL is installed, its workers import its batch module as the tests do.
+_RUNTIME_ENV = (
+    {"worker_process_setup_hook": "skyrl_wheel.stand_in"} if skyrl_wheel.installed() else None
 )
 
 #: Small enough for 2 cores; actors take fractions of a CPU.
@@ -35,6 +42,7 @@ def start_local_ray(object_store_bytes: int = OBJECT_STORE_BYTES) -> None:
             include_dashboard=False,
             log_to_driver=False,
             configure_logging=False,
+            runtime_env=_RUNTIME_ENV,
         )
 
 
