@@ -22,6 +22,7 @@ more; it is meant for a run when refshare is adopted or a framework upgraded.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import io
 import logging
@@ -29,6 +30,7 @@ import os
 import pickle
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
@@ -143,6 +145,37 @@ def serialized_digest(value: Any) -> bytes:
     return BufferHasher(b"by value").add_all(parts).digest()
 
 
+_unpickling = threading.Lock()
+
+
+@contextlib.contextmanager
+def _classes_kept() -> Iterator[None]:
+    """While verify deserializes on the driver, the classes this process defined and
+    cloudpickle sends by value (a script's, a notebook's, a local class) keep their own
+    attributes. Unpickling such a class where it was defined, cloudpickle finds the
+    original and sets on it the copies of its methods the pickle carries, whose globals
+    are copies too: a program that pickles an instance by reference afterwards fails. By
+    value, that happens only where the program fetches such an object itself."""
+    from ray.cloudpickle import cloudpickle
+
+    setstate: Callable[[Any, Any], Any] | None = getattr(cloudpickle, "_class_setstate", None)
+    tracked = getattr(cloudpickle, "_DYNAMIC_CLASS_TRACKER_BY_CLASS", None)
+    if setstate is None or tracked is None:  # another cloudpickle: left as it is
+        yield
+        return
+    with _unpickling:
+        known = set(tracked)
+
+        def keep_known(cls: Any, state: Any) -> Any:
+            return cls if cls in known else setstate(cls, state)
+
+        cloudpickle._class_setstate = keep_known
+        try:
+            yield
+        finally:
+            cloudpickle._class_setstate = setstate
+
+
 def _as_received(sent: Any) -> Any:
     """What a worker receives for ``sent``: a ref fetched, or a value (a skeleton) as its
     deserialization rebuilds it."""
@@ -200,12 +233,16 @@ class Verifier:
     def _compare_received(value: Any, sent: Any) -> str | None:
         """Why a worker would receive other than by value through ``sent``, or ``None``."""
         try:
-            by_value = serialized_digest(ray.get(raw_put(value)))
+            with _classes_kept():
+                fetched = ray.get(raw_put(value))
+            by_value = serialized_digest(fetched)
         except Exception:
             logger.debug("verify: by value fails for %s", type(value).__qualname__, exc_info=True)
             return None  # by value fails, or its result cannot be sent again: nothing to compare
         try:
-            received = serialized_digest(_as_received(sent))
+            with _classes_kept():
+                rebuilt = _as_received(sent)
+            received = serialized_digest(rebuilt)
         except Exception as error:
             return f"rebuilding it failed: {error!r}"
         return None if received == by_value else "what the worker rebuilds differs"
