@@ -166,6 +166,7 @@ def _classes_kept() -> Iterator[None]:
     with _unpickling:
         known = set(tracked)
 
+        @functools.wraps(setstate)  # pickled meanwhile, it is named as the one it stands for
         def keep_known(cls: Any, state: Any) -> Any:
             return cls if cls in known else setstate(cls, state)
 
@@ -176,12 +177,12 @@ def _classes_kept() -> Iterator[None]:
             cloudpickle._class_setstate = setstate
 
 
-def _as_received(sent: Any) -> Any:
-    """What a worker receives for ``sent``: a ref fetched, or a value (a skeleton) as its
-    deserialization rebuilds it."""
-    if isinstance(sent, ray.ObjectRef):
-        return ray.get(sent)
-    return ray.get(raw_put(sent))
+def _fetched(value: Any) -> Any:
+    """``value`` as a worker receives it: a ref fetched, or a value (a skeleton) put and
+    fetched, as its deserialization rebuilds it."""
+    ref = value if isinstance(value, ray.ObjectRef) else raw_put(value)
+    with _classes_kept():
+        return ray.get(ref)
 
 
 class Verifier:
@@ -233,16 +234,12 @@ class Verifier:
     def _compare_received(value: Any, sent: Any) -> str | None:
         """Why a worker would receive other than by value through ``sent``, or ``None``."""
         try:
-            with _classes_kept():
-                fetched = ray.get(raw_put(value))
-            by_value = serialized_digest(fetched)
+            by_value = serialized_digest(_fetched(raw_put(value)))
         except Exception:
             logger.debug("verify: by value fails for %s", type(value).__qualname__, exc_info=True)
             return None  # by value fails, or its result cannot be sent again: nothing to compare
         try:
-            with _classes_kept():
-                rebuilt = _as_received(sent)
-            received = serialized_digest(rebuilt)
+            received = serialized_digest(_fetched(sent))
         except Exception as error:
             return f"rebuilding it failed: {error!r}"
         return None if received == by_value else "what the worker rebuilds differs"
