@@ -141,8 +141,7 @@ def rollout(config: Config, step: int) -> BatchedDataDict:
 def run_step(group: RayWorkerGroup, data: BatchedDataDict, strategy: str, sharing: Any) -> Any:
     """One GRPO step under ``strategy``: each call's seconds, bytes stored, checksums."""
     sent: dict[str, list[str]] = {}  # the keys each call sent (the batch grows)
-    with sharing.on(strategy):
-        turn = Turn()
+    with sharing.on(strategy) as turn:
 
         def call(name: str, **common: Any) -> Any:
             sent[name] = list(data)
@@ -157,8 +156,7 @@ def run_step(group: RayWorkerGroup, data: BatchedDataDict, strategy: str, sharin
     if not turn.received[0] == turn.received[1] != turn.received[2] == turn.received[3]:
         raise RuntimeError("the TP ranks of a DP rank should receive the same shards, and only")
     turn.distinct = sum(v.nbytes for v in data.values())
-    if strategy not in steps.UNTOUCHED:
-        turn.stored_by_refshare()
+    if not turn.by_value:  # what refshare or the ideal stored is counted already
         return turn
     # What plain stores, counted now (untimed): each DP shard once per call, by NeMo-RL's puts.
     for name, keys in sent.items():

@@ -251,8 +251,7 @@ def run_step(backend: Backend, batch: Any, weights: torch.Tensor, strategy: str)
     group, dp = backend.group, backend.data_proto
     sent: dict[str, list[str]] = {}  # the keys each compute call sent (the batch grows)
 
-    with backend.sharing.on(strategy):
-        turn = Turn()
+    with backend.sharing.on(strategy) as turn:
 
         def call(name: str, data: Any) -> Any:
             sent[name] = list(data.batch.keys())
@@ -273,8 +272,7 @@ def run_step(backend: Backend, batch: Any, weights: torch.Tensor, strategy: str)
 
     received(backend, turn)
     turn.distinct = weights.nbytes + sum(t.nbytes for t in batch.batch.values())
-    if strategy not in steps.UNTOUCHED:
-        turn.stored_by_refshare()
+    if not turn.by_value:  # what refshare or the ideal stored is counted already
         return turn
     # What plain stores, counted now (untimed): the broadcast by value once per worker; each
     # chunk once per call, by value on dp, by the dispatch's own parallel_put on nd.
@@ -312,8 +310,7 @@ def run_legacy_step(backend: Backend, batch: Any, strategy: str) -> Turn:
     added = {"compute_log_prob": "old_log_probs", "compute_ref_log_prob": "ref_log_prob"}
     added |= {"infer_batch": "values"}
 
-    with backend.sharing.on(strategy):
-        turn = Turn()
+    with backend.sharing.on(strategy) as turn:
         for name, _, flags in mirror.legacy_calls(len(batch)):
             if name == "train_mini_batch":  # compute_advantage, on the driver
                 b = batch.batch
@@ -333,8 +330,7 @@ def run_legacy_step(backend: Backend, batch: Any, strategy: str) -> Turn:
 
     received(backend, turn)
     turn.distinct = distinct_bytes(sent["update_actor"])
-    if strategy not in steps.UNTOUCHED:
-        turn.stored_by_refshare()
+    if not turn.by_value:  # what refshare or the ideal stored is counted already
         return turn
     # What plain stores, counted now (untimed): each chunk once per call, by parallel_put.
     for name, td in sent.items():

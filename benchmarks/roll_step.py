@@ -183,8 +183,7 @@ def sent_copy(batch: DataProto) -> DataProto:
 def run_step(clusters: dict[str, Cluster], batch: DataProto, strategy: str, sharing: Any) -> Turn:
     """One RLVR step under ``strategy``: each call's seconds, bytes stored, checksums."""
     sent: dict[str, DataProto] = {}
-    with sharing.on(strategy):
-        turn = Turn()
+    with sharing.on(strategy) as turn:
         for name, (cluster, _) in CALLS.items():
             output = turn.call(name, call, clusters[cluster], name, batch)
             sent[name] = sent_copy(batch)
@@ -194,8 +193,7 @@ def run_step(clusters: dict[str, Cluster], batch: DataProto, strategy: str, shar
     turn.received = {name: cluster.take_received() for name, cluster in clusters.items()}
     check_received(turn.received)
     turn.distinct = sum(t.nbytes for _, t in batch._batch.items())
-    if strategy not in steps.UNTOUCHED:
-        turn.stored_by_refshare()
+    if not turn.by_value:  # what refshare or the ideal stored is counted already
         return turn
     # What plain stores, counted now (untimed): what each rank's .remote() got by value, once
     # per rank, where it is too large to go inline.

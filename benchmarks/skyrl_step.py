@@ -272,8 +272,7 @@ def run_step(
     sharing: steps.Sharing,
 ) -> Turn:
     """One PPO step under ``strategy``: each call's seconds, bytes stored, checksums."""
-    with sharing.on(strategy):
-        turn = Turn()
+    with sharing.on(strategy) as turn:
         turn.call("fwd_logprobs_values_reward", forward_pass, dispatch, data)
         compute_advantages_and_returns(data)
         data.pop("rewards")
@@ -292,8 +291,7 @@ def run_step(
     fwd_sent = data.select(FWD_KEYS, metadata_keys=["response_length"])
     sent = {id(t): t for batch in (fwd_sent, critic_sent, data) for t in batch.values()}
     turn.distinct = sum(t.nbytes for t in sent.values())
-    if strategy not in steps.UNTOUCHED:
-        turn.stored_by_refshare()
+    if not turn.by_value:  # what refshare or the ideal stored is counted already
         return turn
     # What plain stores, counted now (untimed): every chunk SkyRL puts, once per put.
     meta = data.metadata

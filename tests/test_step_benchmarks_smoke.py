@@ -1,7 +1,8 @@
 """The RL-step replays (verl-shaped: both dispatch paths and the legacy trainer's TensorDicts;
 NeMo-RL-, ROLL- and SkyRL-shaped) and the type table run end to end in their smallest mode,
 on their mirrors, and every worker receives the same checksums under every strategy (the
-scripts exit non-zero otherwise). Timings are never checked."""
+scripts exit non-zero otherwise), the audit and the ideal included, whose rows each replay's
+report shows. Timings are never checked."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,3 +56,20 @@ def test_step_benchmark_smoke(case: str, tmp_path: Path) -> None:
     assert results and all(json.loads(p.read_text()) for p in results)
     if stem is not None:
         assert (tmp_path / f"{stem}.md").exists(), written
+    if args[0] != "types.py":
+        for report in tmp_path.glob("*.md"):
+            text = report.read_text()
+            for row in ("| audit |", "| ideal |", "| **whole step** |", "default ÷ ideal"):
+                assert row in text, (report.name, row)
+            assert "| driver time over plain per step ÷ Ray's serialization" in text, report.name
+            assert "| would save ÷ the default's saved bytes per step |" in text, report.name
+            for summary in _summaries(json.loads(report.with_suffix(".json").read_text())):
+                assert {"audit", "ideal"} <= set(summary["median_ms"]), report.name
+                assert summary["would_save"] > 0, report.name
+
+
+def _summaries(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each replayed flow's summary: one, or one per backend (``rl_step.py``)."""
+    if "backends" in results:
+        return [r["summary"] for r in results["backends"].values()]
+    return [results["result"]["summary"]]

@@ -2,4 +2,4 @@
 (interleaving, medians, bootstrap intervals), ``report`` (units, tables, the record of a run,
 writing Markdown, JSON and plots), ``options`` (the command line), ``cluster`` (a cluster
 simulated on one machine) and, for the RL-step replays, ``steps`` (strategies, each call
-timed, bytes stored) and ``step_report``."""
+timed, bytes stored), ``ideal`` (the floor they are compared with) and ``step_report``."""

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib.util
+import math
 import os
 import pickle
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 
 import ray
 
-from _harness import options, report, session
+from _harness import ideal, options, report, session
 from _harness.report import REPO, MiB, log, ms
 from _harness.stats import median, quartiles, ratio_interval, rotated
 
@@ -27,27 +28,39 @@ from _harness.stats import median, quartiles, ratio_interval, rotated
 #: :class:`Sharing`).
 AUTO = "auto"
 AUTO_OPTIONS: dict[str, Any] = {}
+#: refshare's audit mode: keyed as the default would, sent by value (its report counts what
+#: sharing would save); and the ideal, a perfect memoizer's floor (see ``_harness.ideal``).
+AUDIT, IDEAL = "audit", "ideal"
 #: The framework as it is; top-level sharing (``deep=False``); ``deep=True``; the default;
-#: and the framework as it is again, timed as one more strategy: what it measures against
-#: plain is the run's own noise.
-STRATEGIES = ("plain", "refshare", "deep", AUTO, "control")
+#: the audit; the ideal; and the framework as it is again, timed as one more strategy: what
+#: it measures against plain is the run's own noise.
+STRATEGIES = ("plain", "refshare", "deep", AUTO, AUDIT, IDEAL, "control")
 WITH_AUTO = STRATEGIES
+#: The untimed pass of the step just before the ideal's turn (see ``_harness.ideal``): not a
+#: strategy, nor reported, but its workers' checksums are compared with plain's too.
+RECORD = "record"
 #: The options refshare is turned on with, per strategy.
 OPTIONS: dict[str, dict[str, Any]] = {
     "refshare": {"deep": False},
     "deep": {"deep": True},
     AUTO: AUTO_OPTIONS,
+    AUDIT: {**AUTO_OPTIONS, "audit": True},
 }
 #: Strategies that run the framework untouched.
 UNTOUCHED = ("plain", "control")
+#: Strategies whose Ray stores what plain's does: the step counts it as plain's (untimed).
+BY_VALUE = (*UNTOUCHED, AUDIT)
 #: How tables name the strategies.
 LABELS = {"plain": "plain", "refshare": "top-level", "deep": "deep", AUTO: "default",
-          "control": "plain again"}  # fmt: skip
+          AUDIT: "audit", IDEAL: "ideal", "control": "plain again"}  # fmt: skip
+#: The report's counts a turn keeps, summed over its call sites.
+REPORTED = ("bytes_sent", "bytes_repeated", "bytes_distinct", "puts", "hits", "by_value")
 
 
 class Sharing:
-    """refshare on for one strategy's turn, off after, with that strategy's :data:`OPTIONS`;
-    ``"plain"`` and ``"control"`` untouched.
+    """How each strategy sends, for one turn at a time: refshare on with that strategy's
+    :data:`OPTIONS`, off after; plain and control untouched; the ideal and its record
+    through ``_harness.ideal``.
 
     ``targets`` are ``(class or module, method names)``. With ``framework``, refshare is
     turned on with ``refshare.enable(framework, **options)`` and off with ``disable``, and the
@@ -72,17 +85,51 @@ class Sharing:
             else f"refshare.patch_methods(..., deep=...) on {where}, then unpatch_methods"
         )
         self.caches: dict[str, Any] = {}
+        self.record: ideal.Record | None = None  # the ideal's next turn swaps in its refs
 
     def _wrapped(self) -> list[str]:
         return [f"{_name(o)}.{n}" for (o, n), f in self.originals.items() if o.__dict__[n] is not f]
 
     @contextlib.contextmanager
-    def on(self, strategy: str) -> Iterator[None]:
-        if strategy in UNTOUCHED:
-            if self._wrapped():
-                raise RuntimeError(f"plain turn, but still wrapped: {self._wrapped()}")
-            yield
+    def on(self, strategy: str) -> Iterator[Turn]:
+        """The strategy's turn, timed in the :class:`Turn` it yields; refshare's report
+        reset first, so that the turn's counts (:data:`REPORTED`) are its own."""
+        self.refshare.reset_report()
+        if strategy in OPTIONS:
+            with self._refshare_on(strategy):
+                turn = Turn(strategy)
+                yield turn
+            turn.reported = _totals(self.refshare.report())
+            if strategy not in BY_VALUE:
+                turn.stored_by_refshare()
             return
+        if self._wrapped():
+            raise RuntimeError(f"{strategy} turn, but still wrapped: {self._wrapped()}")
+        if strategy == RECORD:
+            turn = Turn(strategy)
+            self.record = ideal.Record(lambda: turn.calling)
+            with ideal.sending(self.record):
+                yield turn
+            turn.serialized = self.record.serialize_seconds
+        elif strategy == IDEAL:
+            record, self.record = self.record, None
+            if record is None:
+                raise RuntimeError("the ideal's turn comes right after its record")
+            swap = ideal.Swap(record)
+            with ideal.sending(swap):
+                turn = Turn(strategy)
+                yield turn
+            swap.check()
+            for call, nbytes in record.stored_calls.items():
+                turn.store(call, nbytes)
+            distinct = len(record.by_content)
+            turn.reported = {"puts": distinct, "hits": record.large - distinct, "by_value": 0}
+        else:
+            turn = Turn(strategy)
+            yield turn
+
+    @contextlib.contextmanager
+    def _refshare_on(self, strategy: str) -> Iterator[None]:
         cache = self.caches.setdefault(strategy, self.refshare.RefCache())
         options = {"cache": cache, **OPTIONS[strategy]}
         if self.framework:
@@ -100,6 +147,11 @@ class Sharing:
                 self.refshare.unpatch_methods(owner, *names)
             if self._wrapped():
                 raise RuntimeError(f"{self.how}: {self._wrapped()} were not restored")
+
+
+def _totals(found: Any) -> dict[str, int]:
+    """A ``refshare.report()``'s :data:`REPORTED` counts, summed over its call sites."""
+    return {field: sum(getattr(row, field) for row in found.rows) for field in REPORTED}
 
 
 def _name(owner: Any) -> str:
@@ -140,23 +192,35 @@ def examples_importable() -> None:
 class Turn:
     """One strategy's run of one step: each call's seconds and refshare's counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, strategy: str) -> None:
         import refshare
 
+        self.strategy = strategy
         self.stats = refshare.stats
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, dict[str, int]] = {}
+        self.reported: dict[str, int] = {}  # refshare's report of the turn (the ideal's own)
+        self.serialized = 0.0  # the record's: Ray serializing the step's large arguments
+        self.calling = "step"  # the call running now
         self.stored = 0  # bytes the driver stored in the step
         self.stored_calls: dict[str, int] = {}  # the same, per call
         self.distinct = 0  # bytes of the distinct tensors the step sent (set by the benchmark)
         self.received: Any = None  # checksums of what each worker received
         self._start, self._before = time.perf_counter(), self.stats()
 
+    @property
+    def by_value(self) -> bool:
+        """Whether Ray stored what it stores by value (:data:`BY_VALUE`), for the step to
+        count once the turn is over; the other strategies' bytes are counted already."""
+        return self.strategy in BY_VALUE
+
     def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.calling = name
         before, start = self.stats(), time.perf_counter()
         out = fn(*args, **kwargs)
         self.seconds[name] = time.perf_counter() - start
         self.counts[name] = _delta(before, self.stats())
+        self.calling = "step"
         return out
 
     def finish(self) -> None:
@@ -174,7 +238,7 @@ class Turn:
         self.stored += nbytes
 
     def record(self) -> dict[str, Any]:
-        keys = ("seconds", "counts", "stored", "stored_calls", "distinct")
+        keys = ("seconds", "counts", "reported", "serialized", "stored", "stored_calls", "distinct")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -188,14 +252,16 @@ def interleave(
     turn: Callable[[str, int], Turn],
     strategies: Sequence[str] = STRATEGIES,
 ) -> list[dict[str, Any]]:
-    """Run ``steps`` steps, every strategy once per step (each leads in turn), with the 1-min
-    load average sampled after each step; checks that every worker received the same."""
+    """Run ``steps`` steps, every strategy once per step (each leads in turn; the ideal's
+    record right before it), with the 1-min load average sampled after each step; checks
+    that every worker received the same."""
     out = []
     for step in range(steps):
         turns = {}
         for strategy in rotated(strategies, step):
-            gc.collect()
-            turns[strategy] = turn(strategy, step)
+            for each in (RECORD, strategy) if strategy == IDEAL else (strategy,):
+                gc.collect()
+                turns[each] = turn(each, step)
         same = all(t.received == turns["plain"].received for t in turns.values())
         load = round(os.getloadavg()[0], 2)
         out.append({"turns": {s: t.record() for s, t in turns.items()}, "same": same, "load": load})
@@ -239,8 +305,53 @@ def summarize(
         },
         "distinct_bytes": steps[-1]["turns"]["plain"]["distinct"],
         "counts_last_step": {s: steps[-1]["turns"][s]["counts"] for s in strategies},
+        "reported_last_step": {s: steps[-1]["turns"][s]["reported"] for s in strategies},
         "load_during": [t["load"] for t in steps],
+        **(against_ideal(times) | audited(steps) if {AUDIT, IDEAL} <= set(strategies) else {}),
     }
+
+
+def against_ideal(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    """The default against the ideal: the ratio of medians per call and step, and the
+    quartiles of each step's own ratio."""
+    default, floor = times[AUTO], times[IDEAL]
+    paired = {c: [a / b for a, b in zip(v, floor[c], strict=True)] for c, v in default.items()}
+    return {
+        "default_to_ideal": {c: median(v) / median(floor[c]) for c, v in default.items()},
+        "default_to_ideal_quartiles": {c: quartiles(v) for c, v in paired.items()},
+    }
+
+
+def audited(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The audit's cost and count, step by step: its driver time over plain's against what
+    Ray spends serializing the step's large arguments (timed in the ideal's record, on the
+    same content), beside plain again's over plain (the noise); and the bytes it would save
+    (its report's repeated bytes) against those the default saved in the same step."""
+
+    def step(strategy: str) -> list[float]:
+        return [t["turns"][strategy]["seconds"]["step"] for t in steps]
+
+    def over_plain(strategy: str) -> float:
+        return median([a - b for a, b in zip(step(strategy), step("plain"), strict=True)])
+
+    serialized = median([t["turns"][RECORD]["serialized"] for t in steps])
+    would = [t["turns"][AUDIT]["reported"]["bytes_repeated"] for t in steps]
+    saved = [t["turns"][AUTO]["reported"]["bytes_repeated"] for t in steps]
+    each = [_ratio(w, s) for w, s in zip(would, saved, strict=True)]
+    return {
+        "audit_over_plain_ms": over_plain(AUDIT) * 1e3,
+        "control_over_plain_ms": over_plain("control") * 1e3,
+        "serialize_ms": serialized * 1e3,
+        "audit_cost": _ratio(over_plain(AUDIT), serialized),
+        "would_save": median(would),
+        "default_saved": median(saved),
+        "would_to_saved": _ratio(median(would), median(saved)),
+        "would_to_saved_range": [min(each), max(each)],
+    }
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 1.0 if a == b else math.inf
 
 
 def replay(

@@ -1,0 +1,229 @@
+"""The ideal: a step whose every large argument a perfect memoizer has put once before the
+turn, its ref known, so that the turn only hands Ray refs.
+
+What it measures is a floor, not a strategy anyone can run: the step's dispatch, the
+framework's own work (chunking, gathering) and the workers' fetch from the store, with no
+keying, no splitting, no put and no serialization of a large argument on the driver.
+
+How: an untimed pass of the step (the *record*, on an equal copy of the step's batch) runs
+the framework as plain does, with Ray's submit path, ``ray.put`` and thread-pool submission
+wrapped. It notes where the step sends each value: the name of the actor method, remote
+function or ``ray.put``, and how many of that name its context sent before, inside the
+thread-pool task it runs in (``parallel_put``'s threads put in any order, but are submitted
+in order). Every task argument Ray would store (above its 100 KiB inline limit) and every
+value put is timed through Ray's own serializer (what plain spends serializing it), then
+put: each distinct content once, equal content as ``refshare.fingerprint`` keys it (by
+identity where it cannot key it). In the ideal's turn the same wrappers swap in those refs,
+one dict lookup per submission. Every worker's checksums are compared with plain's as for
+every strategy: that check is what shows the swapped refs carry the step's own data.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import contextvars
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import ray
+import ray.actor
+import ray.remote_function
+
+#: Ray sends a by-value argument up to this size inline, in the task message, unstored.
+INLINE_BYTES = 100 * 1024
+
+Where = tuple[Any, ...]
+#: Where the next submission is: the pool tasks it runs inside, and how many submissions of
+#: each name this context made; ``None`` outside a record or ideal turn.
+_position: contextvars.ContextVar[tuple[Where, dict[str, int]] | None] = contextvars.ContextVar(
+    "ideal_position", default=None
+)
+_NOT_STORED = (ray.ObjectRef, ray.actor.ActorHandle, int, float, bool, type(None))
+
+
+def _where(name: str) -> Where | None:
+    found = _position.get()
+    if found is None:
+        return None
+    prefix, counts = found
+    counts[name] = count = counts.get(name, 0) + 1
+    return (*prefix, name, count)
+
+
+class Pass(Protocol):
+    """What one turn does with what the step sends: see :class:`Record` and :class:`Swap`."""
+
+    def submit(self, where: Where, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """The task's ``args`` and ``kwargs`` as Ray is to get them."""
+
+    def put(self, where: Where, value: Any) -> Any:
+        """The ref ``ray.put(value)`` returns, or ``None`` for Ray's own put."""
+
+
+class Record:
+    """The untimed pass: each large argument and put value serialized as Ray would (timed),
+    and put, each distinct content once, by where the step sends it.
+
+    ``calling`` names the call each value was sent in (the bytes put count per call)."""
+
+    def __init__(self, calling: Callable[[], str]) -> None:
+        import refshare
+
+        self.fingerprint, self.calling = refshare.fingerprint, calling
+        self.context = ray._private.worker.global_worker.get_serialization_context()
+        self.refs: dict[Where, list[tuple[int | str, Any]]] = {}  # a task's arguments' refs
+        self.puts: dict[Where, Any] = {}
+        self.by_content: dict[Any, Any] = {}
+        self.kept: list[Any] = []  # what is keyed by identity, alive while it is
+        self.serialize_seconds = 0.0
+        self.stored_calls: dict[str, int] = {}  # bytes put, by the call that first sent them
+        self.large = 0  # large arguments and put values sent
+
+    def submit(self, where: Where, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        sent = [*enumerate(args or ()), *(kwargs or {}).items()]
+        refs = [(at, ref) for at, value in sent if (ref := self.ref(value)) is not None]
+        if refs:
+            self.refs[where] = refs
+        return args, kwargs  # by value, as plain
+
+    def put(self, where: Where, value: Any) -> Any:
+        ref = self.ref(value)
+        if ref is not None:
+            self.puts[where] = ref
+        return ref
+
+    def ref(self, value: Any) -> Any:
+        """The ref of ``value``'s content, put now if new; ``None`` for what Ray does not
+        store (inline-sized values, refs, handles). What this does is not the step's: its
+        own thread-pool tasks (``fingerprint`` hashes large buffers in a pool) are not
+        counted among the step's sends."""
+        if isinstance(value, _NOT_STORED):
+            return None
+        token = _position.set(None)
+        try:
+            return self._ref(value)
+        finally:
+            _position.reset(token)
+
+    def _ref(self, value: Any) -> Any:
+        start = time.perf_counter()
+        nbytes = self.context.serialize(value).total_bytes
+        seconds = time.perf_counter() - start
+        if nbytes <= INLINE_BYTES:
+            return None
+        self.serialize_seconds += seconds
+        self.large += 1
+        key = self.fingerprint(value)
+        if key is None:
+            key = ("id", id(value))
+            self.kept.append(value)
+        ref = self.by_content.get(key)
+        if ref is None:
+            ref = self.by_content[key] = _original_put(value)
+            call = self.calling()
+            self.stored_calls[call] = self.stored_calls.get(call, 0) + nbytes
+        return ref
+
+
+class Swap:
+    """The ideal's turn: the refs its record put, swapped in by where the step sends them."""
+
+    def __init__(self, record: Record) -> None:
+        self.refs, self.puts = record.refs, record.puts
+        self.swapped = 0
+
+    def submit(self, where: Where, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        refs = self.refs.get(where)
+        if refs is None:
+            return args, kwargs
+        args, kwargs = list(args or ()), dict(kwargs or {})
+        for at, ref in refs:
+            if isinstance(at, int):
+                args[at] = ref
+            else:
+                kwargs[at] = ref
+        self.swapped += 1
+        return args, kwargs
+
+    def put(self, where: Where, value: Any) -> Any:
+        ref = self.puts.get(where)
+        self.swapped += ref is not None
+        return ref
+
+    def check(self) -> None:
+        """Raise unless the turn sent from every place its record did."""
+        if self.swapped != len(self.refs) + len(self.puts):
+            raise RuntimeError(
+                f"the ideal's turn swapped {self.swapped} submissions and puts, its record "
+                f"had {len(self.refs) + len(self.puts)}: the step sent otherwise"
+            )
+
+
+_active: Pass | None = None
+_original_put: Callable[..., Any] = ray.put
+
+
+def _submitting(original: Callable[..., Any], name: Callable[[Any], str]) -> Callable[..., Any]:
+    def _remote(self: Any, args: Any = None, kwargs: Any = None, *rest: Any, **options: Any) -> Any:
+        where = _where(name(self))
+        if where is not None and _active is not None:
+            args, kwargs = _active.submit(where, args, kwargs)
+        return original(self, args, kwargs, *rest, **options)
+
+    return _remote
+
+
+def _putting(original: Callable[..., Any]) -> Callable[..., Any]:
+    def put(value: Any, *args: Any, **kwargs: Any) -> Any:
+        way = None if args or kwargs else _active  # a put with options is Ray's own
+        where = None if way is None else _where("ray.put")
+        ref = None if way is None or where is None else way.put(where, value)
+        return original(value, *args, **kwargs) if ref is None else ref
+
+    return put
+
+
+def _pooling(original: Callable[..., Any]) -> Callable[..., Any]:
+    def submit(self: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        where = _where("pool")
+        if where is None:
+            return original(self, fn, *args, **kwargs)
+        context = contextvars.copy_context()  # the task counts its own sends, from there
+        context.run(_position.set, (where, {}))
+        return original(self, context.run, fn, *args, **kwargs)
+
+    return submit
+
+
+#: What is wrapped: owner, attribute, the wrapper made from the original.
+TARGETS: tuple[tuple[Any, str, Callable[[Any], Callable[..., Any]]], ...] = (
+    (ray.actor.ActorMethod, "_remote", lambda f: _submitting(f, lambda m: m._method_name)),
+    (ray.remote_function.RemoteFunction, "_remote",
+     lambda f: _submitting(f, lambda r: r._function_name)),
+    (ray, "put", _putting),
+    (concurrent.futures.ThreadPoolExecutor, "submit", _pooling),
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def sending(way: Pass) -> Iterator[None]:
+    """Ray's submit path, ``ray.put`` and thread-pool submission wrapped for one turn, each
+    send handed to ``way``; the originals back after."""
+    global _active, _original_put
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in TARGETS]
+    wrappers = [wrap(owner.__dict__[name]) for owner, name, wrap in TARGETS]
+    _original_put = ray.__dict__["put"]
+    for (owner, name, _), wrapper in zip(originals, wrappers, strict=True):
+        setattr(owner, name, wrapper)
+    _active, token = way, _position.set(((), {}))
+    try:
+        yield
+    finally:
+        _position.reset(token)
+        _active = None
+        for (owner, name, original), wrapper in zip(originals, wrappers, strict=True):
+            if owner.__dict__[name] is not wrapper:
+                raise RuntimeError(f"{owner.__name__}.{name} was wrapped again meanwhile")
+            setattr(owner, name, original)
