@@ -4,17 +4,20 @@ receives exactly what it receives by value, in all three deep modes.
 
 Each example is a recipe for a batch: tensor fields of several dtypes and layouts (float32,
 int64, bool, bfloat16; wide, transposed, strided, a contiguous row view at an offset in a
-larger storage, the same tensor twice, a view of another field), SkyRL's ``TensorList`` and
-``PackedTensor`` fields, ``None`` fields, non-tensor entries (strings, lists, numpy arrays,
-object arrays whose strings are one object repeated or equal objects), SkyRL's metadata
-(holding one of its fields, too) and how the batch was built (its constructor, item by item,
-or ``dict.update``, which leaves its batch size and device unset); NeMo-RL's attributes (its
-micro-batch fields, one more, one removed, one that is a data entry). Each is inside the
-class or a subclass that pickles as it does, one with ``__getstate__``/``__setstate__`` of
-its own, one pickled through ``copyreg``, one that changes the batch's pickling otherwise
-(SkyRL: its ``contiguous``, its ``ZERO_COPY_KEYS``; NeMo-RL: slots); alone, twice in one
-value, or as two chunks of one batch; and one in-place change away from another recipe,
-both built afresh and applied to the very object keyed before.
+larger storage, the same elements in storages that differ elsewhere, the same tensor twice,
+a view of another field), SkyRL's ``TensorList`` and ``PackedTensor`` fields, ``None``
+fields, non-tensor entries (strings, lists, numpy arrays, object arrays whose strings are
+one object repeated or equal objects), SkyRL's metadata (holding one of its fields, too),
+an instance's own ``ZERO_COPY_KEYS`` and how the batch was built (its constructor, item by
+item, or ``dict.update``, which leaves its batch size and device unset); NeMo-RL's
+attributes (its micro-batch fields, one more, one removed, one that is a data entry). Each
+is inside the class or a subclass that pickles as it does, one with
+``__getstate__``/``__setstate__`` of its own, one pickled through ``copyreg``, one that
+changes the batch's pickling otherwise (SkyRL: its ``contiguous``, its ``ZERO_COPY_KEYS``;
+NeMo-RL: slots); alone, twice in one value, or as chunks of one batch; and it is compared
+with its neighbours, recipes one change away (a field, one entry's part, an entry more or
+less, an in-place edit), both built afresh and applied in place to the very object keyed
+(and sent) before.
 
 The classes are the frameworks' own where they import, else the repo's mirrors: SkyRL
 0.4.0's in tests/test_skyrl.py (registered as refshare registers SkyRL's own class), and
@@ -99,7 +102,7 @@ def publish_nemo_mirror() -> None:
         raise RuntimeError("NeMo-RL is imported here: the mirror cannot take its names")
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
-    import nemo_style
+    import nemo_style  # type: ignore[import-not-found]
 
     for name in ("nemo_rl", "nemo_rl.distributed", NEMO_MODULE):
         sys.modules[name] = types.ModuleType(name)
@@ -199,7 +202,7 @@ class NeTagged(NE.BatchedDataDict):  # type: ignore[misc,name-defined]
 
     def __setstate__(self, state: Any) -> None:
         attributes, tag = state
-        vars(self).update(attributes)
+        self.__dict__.update(attributes)
         self.tag = tag
 
 
@@ -215,7 +218,7 @@ def _reduce_ne_registered(batch: Any) -> tuple[Any, ...]:
 def _rebuild_ne_registered(data: Any, attributes: dict[str, Any]) -> Any:
     batch = NeRegistered.__new__(NeRegistered)
     batch.data = data
-    vars(batch).update(attributes)
+    batch.__dict__.update(attributes)
     return batch
 
 
@@ -350,8 +353,11 @@ def _sk_metadata(kind: str, rows: int, first: Any) -> Any:
     if kind == "length":
         return {"response_length": rows, "boundaries": [(0, rows)]}
     if kind in ("repeated", "distinct"):
+        # The names are strings of their own: one object both in an array of strings and
+        # elsewhere in the value arrives as two (docs/guarantees.md, "Strings are aliased
+        # within one array, not across values"), where the array goes in refshare's form.
         uids = _strings(rows, 0, kind == "repeated")
-        return {"uids": uids, "names": list(uids)}
+        return {"uids": uids, "names": [f"uid-0-{i // 2}" for i in range(rows)]}
     if kind == "alias":  # one of its fields again: pickled as torch pickles it, uncompacted
         return {"mask": first}
     if kind == "tensor":
@@ -640,7 +646,7 @@ def neighbours(recipes: Any, entries: str) -> Any:
 #: How many changes to its entries each example makes to a recipe, beside its fields'.
 NUDGES = 3
 
-KINDS = {
+KINDS: dict[str, tuple[Any, Any, Any, Any]] = {
     "skyrl": (neighbours(SK_RECIPES, "fields"), build_skyrl, edit_skyrl, wrap_skyrl),
     "nemo_rl": (neighbours(NE_RECIPES, "entries"), build_nemo, edit_nemo, wrap_nemo),
 }
@@ -730,7 +736,7 @@ def _rebuilds(value: Any) -> bool:
     """Whether a worker can rebuild ``value`` by value (a SkyRL batch whose fields' lengths
     differ pickles, past its own ``contiguous``, but is refused where it is rebuilt)."""
     try:
-        pickle.loads(ray.cloudpickle.dumps(value))
+        pickle.loads(ray.cloudpickle.dumps(value))  # type: ignore[no-untyped-call]
     except Exception:
         return False
     return True
