@@ -8,8 +8,9 @@ then the cache's, least recently used first. It never makes Ray spill what the p
 holds, where by value would not have.
 
 How full the store is comes from Ray (see :func:`refshare._ray.session.local_store_used`):
-read at most every :data:`READ_EVERY` seconds while it is well below the mark, and between
-readings estimated from what refshare put since.
+read at most every :data:`READ_EVERY` seconds while it is well below the mark (at most every
+:data:`READ_AT_MOST_EVERY` past :data:`NEAR_FILL`), and between readings estimated from what
+refshare put since.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ YIELD_FILL = 0.7
 READ_EVERY = 0.25
 #: Seconds between readings at the least, near the mark: each reading asks the raylet.
 READ_AT_MOST_EVERY = 0.02
+#: Past this fill at the last reading, the store is near the mark: what the program puts
+#: between readings (refshare sees only its own puts) can cross it within :data:`READ_EVERY`.
+NEAR_FILL = 0.4
 
 
 class StoreGauge:
@@ -55,7 +59,8 @@ class StoreGauge:
                 self._session, self._read_at, self._used, self._since = session, -1.0, 0, 0
             estimate = self._used + self._since + nbytes
             since_read = now - self._read_at
-            if since_read > READ_EVERY or (estimate > limit and since_read > READ_AT_MOST_EVERY):
+            near = estimate > limit or self._used > store * NEAR_FILL
+            if since_read > READ_EVERY or (near and since_read > READ_AT_MOST_EVERY):
                 used = local_store_used()
                 if used is not None:
                     self._used, self._since, self._read_at = used, 0, now
