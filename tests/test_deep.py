@@ -210,6 +210,31 @@ def test_each_member_is_serialized_once_and_a_grown_batch_only_its_new_one(
         ray.util.deregister_serializer(torch.Tensor)
 
 
+class Tally:
+    """Counts how many times the driver pickles it: once per split of what holds it."""
+
+    pickled = 0
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        Tally.pickled += 1
+        return Tally, ()
+
+
+@pytest.mark.verify_off  # counts pickles, which verify adds to
+def test_a_batch_of_many_thousand_members_is_split_once_per_call(readers: list[Any]) -> None:
+    """Past ten thousand objects to walk (6,000 members and their names), sent to every
+    worker of one call: split once, not once per ``.remote()``, and every worker receives
+    what it receives by value."""
+    members = {f"m{i:05d}": np.full(1024, i % 251, dtype=np.uint8) for i in range(6000)}
+    batch = {"members": members, "tally": Tally()}
+    expected = fan_out(readers, batch)
+    Tally.pickled = 0
+    with refshare.sharing(deep=True, min_bytes=1024, cache=refshare.RefCache()):
+        assert fan_out(readers, batch) == expected
+    assert Tally.pickled == 1
+    assert refshare.stats().puts == 2  # the members in one bundle, and the skeleton
+
+
 def test_members_are_freed_without_waiting_for_the_cycle_collector(
     readers: list[Any],
 ) -> None:

@@ -16,7 +16,7 @@ from .tables import StampFn, stamps
 
 #: How many objects a structure stamp visits at most; a larger value gets no stamp and is
 #: keyed again each time it is sent.
-STRUCTURE_VISIT_BUDGET = 10_000
+STRUCTURE_VISIT_BUDGET = 100_000
 
 #: Immutable values, stamped by identity (the walk holds them, so ids are not recycled).
 _ATOMS = SCALARS | {
@@ -31,6 +31,12 @@ _WALKED_BASES = frozenset(
     (object, int, float, complex, str, bytes, tuple, frozenset, dict, list, set)
 )
 _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
+
+
+def _plain_array(obj: object) -> bool:
+    """Whether ``obj`` is an exact numpy array: it has no attributes of its own to walk."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and type(obj) is numpy.ndarray
 
 
 class _TooLarge(Exception):
@@ -104,7 +110,8 @@ class _Walk:
             if token is None:
                 raise _TooLarge  # nothing vouches for it (a large inference-mode tensor)
             self.tokens.append((id(obj), token))
-        self.add_state(obj)  # a subclass's own attributes (a masked array's mask)
+        if not _plain_array(obj):
+            self.add_state(obj)  # a subclass's own attributes (a masked array's mask)
 
     def add_container(self, obj: Any) -> None:
         if len(obj) > self.budget:
