@@ -32,6 +32,8 @@ from ._wire.serialized import native_split, pickler_classes, ray_handle_types
 #: Leaves kept inside the skeleton, whatever their size: stored on their own, they would go
 #: through Ray's msgpack, where a ``bytearray`` or a ``memoryview`` arrives as ``bytes``.
 _INLINE = frozenset((str, bytearray, memoryview))
+#: Exact types that are never a member, a ref or a handle: no further look.
+_PASSED = frozenset((str, int, float, bool, type(None), tuple, list, dict, set, frozenset))
 #: Keys a member, or returns ``None`` to leave it inline.
 KeyFn = Callable[[Any, int], "Keyed | None"]
 #: Types whose pickling hides their members from ``persistent_id`` (verl's ``DataProto``
@@ -155,8 +157,10 @@ class _Splitter:
 
     def persistent_id(self, obj: Any) -> Any:
         cls = type(obj)
+        if cls in _PASSED:
+            return None
         if isinstance(obj, self.handle_types):
-            return self._take(obj, "h", self.handles, obj)
+            return self._take(obj, self.handles, obj, handle=True)
         if leaf_digests.exact(cls) is None or cls in _INLINE:
             return None
         if getattr(getattr(obj, "dtype", None), "hasobject", False):
@@ -171,7 +175,7 @@ class _Splitter:
         if keyed is None:
             return None  # cannot be keyed: left inline, as by value
         self.tensors = self.tensors or leaf_digests.exact(cls) is tensor_digest
-        return self._take(obj, "m", self.members, keyed)
+        return self._take(obj, self.members, keyed)
 
     def reduce(self, obj: Any) -> Any:
         """A reduction of ``obj`` that shows its members, for a type whose pickling hides
@@ -186,11 +190,13 @@ class _Splitter:
             raise NotSplittable(cls.__qualname__)
         return None
 
-    def _take(self, obj: Any, kind: str, into: list[Any], item: Any) -> Any:
+    def _take(self, obj: Any, into: list[Any], item: Any, handle: bool = False) -> Any:
         entry = self.seen.get(id(obj))
         if entry is not None and entry[0] is obj:
             return entry[1]
-        pid = (kind, len(into))
+        # An int: pickled as it is, where a tuple would be pickled item by item, each item
+        # asked for a persistent id again.
+        pid = ~len(into) if handle else len(into)
         into.append(item)
         self.seen[id(obj)] = (obj, pid)
         return pid
@@ -204,6 +210,7 @@ class _Splitter:
         buffers: list[pickle.PickleBuffer] = []
         pickler: Any = pickler_classes()[1](stream, protocol=5, buffer_callback=buffers.append)
         pickler.splitter = self
+        pickler.persistent_id = self.persistent_id  # the C pickler calls it for every object
         pickler.dump(pickled)
         if not self.members:
             return None

@@ -74,9 +74,8 @@ class _SkeletonUnpickler(pickle.Unpickler):
         self.members = members
         self.handles = handles
 
-    def persistent_load(self, pid: Any) -> Any:
-        kind, index = pid
-        return self.members[index] if kind == "m" else self.handles[index]
+    def persistent_load(self, pid: int) -> Any:
+        return self.members[pid] if pid >= 0 else self.handles[~pid]
 
 
 def rebuild_skeleton(

@@ -129,9 +129,6 @@ def pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
 
         splitter: Any
 
-        def persistent_id(self, obj: Any) -> Any:
-            return self.splitter.persistent_id(obj)
-
         def reducer_override(self, obj: Any) -> Any:
             reduced = self.splitter.reduce(obj)
             if reduced is not None:
