@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-from . import _stats
+from . import _report, _stats
 from ._admission import Admission, Splitting
 from ._ray.session import current_session, local_object_store_bytes
 
@@ -219,15 +219,20 @@ class RefCache:
         with self._lock:
             key, entry = self._entries.popitem(last=False)
             self._release(entry)
-            if self._counted:
-                _stats.record_eviction()
+            self._count_eviction()
             for other in self._groups.pop(entry.group, ()):  # no group: none
                 evicted = self._entries.pop(other, None)
                 if evicted is not None:
                     self._release(evicted)
-                    if self._counted:
-                        _stats.record_eviction()
+                    self._count_eviction()
         return key, entry.holder
+
+    def _count_eviction(self) -> None:
+        """In ``stats()`` (not an audit's cache), and in the report of the call site whose
+        put made room."""
+        if self._counted:
+            _stats.record_eviction()
+        _report.count_eviction()
 
     def clear(self) -> None:
         """Drop every ref (Ray frees each object once no task or caller still uses it),

@@ -17,6 +17,8 @@ import threading
 from collections import Counter
 from typing import Any, NamedTuple
 
+from ._context import current_scope
+
 AUDIT_ENV = "REFSHARE_AUDIT"
 REPORT_ENV = "REFSHARE_REPORT"
 _TRUE = ("1", "true", "yes", "on")
@@ -46,6 +48,7 @@ class Row(NamedTuple):
     unkeyed: int  #: put without keying: of a kind that has not repeated lately
     by_value: int  #: large arguments sent by value by refshare's choice, ``reasons`` says why
     mismatches: int  #: verify mode's
+    evictions: int  #: cache entries its puts made room for (auditing: would have)
     reasons: tuple[tuple[str, int], ...]  #: why values went by value, most frequent first
 
     @property
@@ -66,13 +69,14 @@ class Report(NamedTuple):
     def __str__(self) -> str:
         if not self.rows:
             return "refshare: no call site shared or audited anything"
-        head = ("call site", "mode", "calls", "sent", "repeated", "saved", "distinct", "by value")
+        head = ("call site", "mode", "calls", "sent", "repeated", "saved", "distinct",
+                "by value", "evicted")  # fmt: skip
         lines = [head]
         for r in self.rows:
             lines.append(
                 (r.site, "audit" if r.audit else "sharing", str(r.calls), _mib(r.bytes_sent),
                  _mib(r.bytes_repeated), f"{r.saved:.0%}", _mib(r.bytes_distinct),
-                 str(r.by_value))
+                 str(r.by_value), str(r.evictions))
             )  # fmt: skip
         widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
         out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
@@ -125,8 +129,8 @@ class Tally:
 
 #: The fields a Tally counts, in Row's order (between ``audit`` and ``reasons``).
 (CALLS, SUBMISSIONS, ARGUMENTS, BYTES_SENT, BYTES_REPEATED, BYTES_IN_CALL, BYTES_MEMBERS,
- BYTES_DISTINCT, PUTS, HITS, UNKEYED, BY_VALUE, MISMATCHES) = range(13)  # fmt: skip
-_COUNTED = 13
+ BYTES_DISTINCT, PUTS, HITS, UNKEYED, BY_VALUE, MISMATCHES, EVICTIONS) = range(14)  # fmt: skip
+_COUNTED = 14
 
 _tallies: dict[tuple[str, bool], Tally] = {}
 _tallies_lock = threading.Lock()
@@ -140,6 +144,14 @@ def tally(site: str, audit: bool) -> Tally:
             found = _tallies.setdefault((site, audit), Tally(site, audit))
             _register_exit_report()
     return found
+
+
+def count_eviction() -> None:
+    """Count an eviction against the call site whose scope is current in this context:
+    the one whose put made room (a cache evicts only to make room, on the putting thread)."""
+    found = getattr(current_scope(), "tally", None)
+    if isinstance(found, Tally):
+        found.add((EVICTIONS, 1))
 
 
 def report() -> Report:

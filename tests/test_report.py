@@ -99,6 +99,31 @@ def test_what_an_audit_would_save_is_what_sharing_saves(readers: list[Any], deep
     assert audit.bytes_distinct == sharing.bytes_distinct == refshare.stats().bytes_put
 
 
+def test_evictions_are_counted_against_the_site_whose_put_made_room(
+    readers: list[Any],
+) -> None:
+    """Two sites on one cache that holds one 1 MiB value: each new value a site puts evicts
+    the one before, and the report names the site that put it."""
+    cache = refshare.RefCache(max_bytes=(1 << 20) + (1 << 19))
+
+    @refshare.shared_args(cache=cache)
+    def first(value: Any) -> Any:
+        return ray.get(readers[0].read.remote(value))
+
+    @refshare.shared_args(cache=cache)
+    def second(value: Any) -> Any:
+        return ray.get(readers[1].read.remote(value))
+
+    first(np.full(1 << 17, 1.0))
+    second(np.full(1 << 17, 2.0))  # evicts first's
+    second(np.full(1 << 17, 3.0))  # evicts its own
+    first(np.full(1 << 17, 4.0))  # evicts second's
+    rows = {row.site.rpartition(".")[2]: row for row in refshare.report().rows}
+    assert (rows["first"].evictions, rows["second"].evictions) == (1, 2)
+    assert refshare.stats().evictions == 3 and len(cache) == 1
+    assert "evicted" in str(refshare.report())
+
+
 def test_the_report_says_why_a_value_went_by_value(readers: list[Any]) -> None:
     held = ray.put(1)
     with_ref = [np.ones(1 << 15), held]  # a ref inside: Ray alone must keep it alive
