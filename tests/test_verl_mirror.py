@@ -77,9 +77,12 @@ def storage_keys(blob: bytes) -> list[str]:
 
 def normalized(value: Any) -> list[tuple[str, Any]]:
     """The opcodes and arguments of ``pickle.dumps(value)``, with every torch.save storage
-    key replaced by its index (keys are addresses, not always of one length)."""
+    key replaced by its index (keys are addresses, not always of one length) and the frame
+    lengths, which count the keys' lengths, left out."""
     ops = []
     for op, arg, _ in pickletools.genops(pickle.dumps(value)):
+        if op.name == "FRAME":  # a frame's length counts the keys' lengths too
+            continue
         if isinstance(arg, bytes) and arg.startswith(b"\x80") and len(arg) > 64:
             for i, key in enumerate(storage_keys(arg)):
                 text = key.encode()
