@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import ray
@@ -39,27 +40,35 @@ OBJECT_STORE_BYTES = 1 << 30
 STARTS = 3
 
 
-def start_local_ray(object_store_bytes: int = OBJECT_STORE_BYTES) -> None:
-    """Start the suite's local Ray unless one is already running."""
+def init_local_ray(**options: Any) -> None:
+    """``ray.init`` of a new local cluster with the suite's settings and ``options`` over
+    them, tried again when its GCS does not come up in time (see :data:`STARTS`)."""
+    settings: dict[str, Any] = {
+        "address": "local",  # a new local cluster, never one found on the machine
+        "num_cpus": NUM_CPUS,
+        "object_store_memory": OBJECT_STORE_BYTES,
+        "include_dashboard": False,
+        "log_to_driver": False,
+        "configure_logging": False,
+        "runtime_env": _RUNTIME_ENV,
+    }
+    settings.update(options)
     for attempt in range(STARTS):
-        if ray.is_initialized():
-            return
         try:
-            ray.init(
-                address="local",  # a new local cluster, never one found on the machine
-                num_cpus=NUM_CPUS,
-                object_store_memory=object_store_bytes,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                runtime_env=_RUNTIME_ENV,
-            )
+            ray.init(**settings)
+            return
         except Exception as error:
             if attempt == STARTS - 1 or "timed out" not in str(error).lower():
                 raise
             logging.getLogger(__name__).warning("Ray did not start (%s); again", error)
             ray.shutdown()
             time.sleep(2)
+
+
+def start_local_ray(object_store_bytes: int = OBJECT_STORE_BYTES) -> None:
+    """Start the suite's local Ray unless one is already running."""
+    if not ray.is_initialized():
+        init_local_ray(object_store_memory=object_store_bytes)
 
 
 def restart_local_ray(object_store_bytes: int = OBJECT_STORE_BYTES) -> None:

@@ -11,7 +11,7 @@ import internals
 import numpy as np
 import pytest
 import ray
-from conftest import start_local_ray
+from conftest import init_local_ray, start_local_ray
 from internals import process_cache
 from reliability_kit import (
     MiB,
@@ -153,13 +153,9 @@ class TestAStoreThatCannotHoldTheArgument:
     @pytest.fixture(scope="class")
     def full_store(self) -> Iterator[Any]:
         ray.shutdown()
-        ray.init(
-            address="local",  # a new local cluster, never one found on the machine
+        init_local_ray(
             num_cpus=1,
             object_store_memory=80 * MiB,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
             _system_config={"local_fs_capacity_threshold": 0.0},
         )
         yield sinks(1)[0]

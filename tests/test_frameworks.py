@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import ray
 import wrapt
-from conftest import NUM_CPUS, restart_local_ray
+from conftest import init_local_ray, restart_local_ray
 from helpers import Payload, count_payload_serializations
 
 import refshare
@@ -287,12 +287,8 @@ def test_a_bad_refshare_enable_never_stops_a_worker(caplog: pytest.LogCaptureFix
     # Ray's worker_process_setup_hook is a job-level setting: a Ray of its own for it.
     ray.shutdown()
     try:
-        ray.init(
-            address="local",
-            num_cpus=NUM_CPUS,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
+        init_local_ray(
+            object_store_memory=None,
             runtime_env={
                 "worker_process_setup_hook": "refshare.worker_setup",
                 "env_vars": {"REFSHARE_ENABLE": names},

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
-from conftest import NUM_CPUS, OBJECT_STORE_BYTES, restart_local_ray
+from conftest import init_local_ray, restart_local_ray
 
 pytest.importorskip("verl.utils.ray_utils")
 pytest.importorskip("verl.single_controller.ray.base")
@@ -19,13 +19,7 @@ pytest.importorskip("verl.single_controller.ray.base")
 def ray_with_setup_hook() -> Iterator[None]:
     """A Ray session whose workers run refshare.worker_setup (a job-level setting only)."""
     ray.shutdown()
-    ray.init(
-        address="local",
-        num_cpus=NUM_CPUS,
-        object_store_memory=OBJECT_STORE_BYTES,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
+    init_local_ray(
         runtime_env={
             "worker_process_setup_hook": "refshare.worker_setup",
             "env_vars": {"REFSHARE_ENABLE": "verl"},
