@@ -571,8 +571,12 @@ def publish_as_roll() -> None:
         for member in members:
             value = globals()[member]
             setattr(sys.modules[name], member, value)
-            if isinstance(value, type):
+            if isinstance(value, type):  # the class and its methods, as ROLL's own
                 value.__module__ = name
+                for attribute in vars(value).values():
+                    function = getattr(attribute, "__func__", attribute)
+                    if isinstance(function, types.FunctionType):
+                        function.__module__ = name
 
 
 # -- the workers and the steps -----------------------------------------------------------------

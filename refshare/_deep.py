@@ -25,7 +25,7 @@ from ._keys.pickler import runs_own_pickling
 from ._keys.sizes import estimate_size
 from ._keys.tables import Key, Keyed, leaf_digests
 from ._ray.pickling import ship_by_value
-from ._rules import pickles_as
+from ._rules import instance_hooks, pickles_as
 from ._wire import bootstrap
 from ._wire.serialized import native_split, pickler_classes, ray_handle_types
 
@@ -181,12 +181,13 @@ class _Splitter:
         """A reduction of ``obj`` that shows its members, for a type whose pickling hides
         them; ``None`` for any other."""
         cls = type(obj)
-        reduce = deep_reducers.lookup(cls)
+        hooked = instance_hooks(obj)
+        reduce = None if hooked else deep_reducers.lookup(cls)
         if reduce is not None:
             reduced = reduce(obj)
             if reduced is not NotImplemented:
                 return reduced
-        if self.strict and runs_own_pickling(cls):
+        if self.strict and (hooked or runs_own_pickling(cls)):
             raise NotSplittable(cls.__qualname__)
         return None
 

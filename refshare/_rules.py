@@ -15,8 +15,10 @@ and every type table of readers applies them (see ``refshare._dispatch.TypeTable
   (Ray's registered serializers and ``copyreg.dispatch_table``, for the exact class; then
   ``__reduce_ex__``, ``__reduce__``, ``__getstate__``/``__setstate__``,
   ``__getnewargs_ex__``/``__getnewargs__``, and the slots the default state holds), and a
-  subclass that changes any of them is not read. Nor is the class itself once something
-  other than its own package registered a reducer for it.
+  subclass that changes any of them is not read. Nor is the class itself once its pickling
+  is no longer its own package's (:func:`own_pickling`): a reducer registered for it, or a
+  hook assigned to it, by other code. Nor is an instance that holds a hook of its own
+  (:func:`instance_hooks`): pickle finds ``obj.__reduce_ex__`` on the instance first.
 
 The third rule, what a stamp may vouch for within a call, lives with the stamps
 (``refshare._keys.stamps.vouches_for``); the fourth, what verify mode compares, in
@@ -120,14 +122,50 @@ def package_of(obj: object) -> str:
     return str(getattr(obj, "__module__", None) or "").partition(".")[0]
 
 
+#: Packages whose functions may stand as a class's pickling hooks without being its own:
+#: Python's defaults, and the hooks ``dataclasses`` and ``copyreg`` make for a class.
+_HOOK_MAKERS = frozenset(("", "builtins", "copyreg", "dataclasses"))
+
+
+def _hook_package(hook: object) -> str:
+    """The package whose code a hook runs (a static or class method's function's)."""
+    return package_of(getattr(hook, "__func__", hook))
+
+
+def own_pickling(cls: type) -> bool:
+    """Whether ``cls`` pickles as the code that defined it says: its dispatch entry, if
+    any, is its own package's (as tensordict registers one for ``TensorDict``), and each
+    hook it resolves along its MRO was defined in the package of the class that holds it,
+    or is one of Python's. A reducer registered, or a hook assigned, by other code (the
+    program patching ``DataProto.__getstate__``) is not what a reader of ``cls`` models."""
+    entry = dispatch_entry(cls)
+    if entry is not None and reducer_package(entry) != package_of(cls):
+        return False
+    for name in PICKLING_HOOKS:
+        for base in cls.__mro__:
+            hook = base.__dict__.get(name)
+            if hook is not None:
+                package = _hook_package(hook)
+                if package not in _HOOK_MAKERS and package != package_of(base):
+                    return False
+                break
+    return True
+
+
+def instance_hooks(obj: object) -> bool:
+    """Whether ``obj`` holds a pickling hook in its own ``__dict__``, which pickle finds
+    before its class's: such an instance is sent as that hook says, not as its class
+    pickles, and no reader of its class may read it."""
+    state = getattr(obj, "__dict__", None)
+    return type(state) is dict and any(name in state for name in PICKLING_HOOKS)
+
+
 def pickles_as(cls: type, registered: type) -> bool:
     """Whether a reader registered for ``registered`` may read an instance of ``cls``.
 
-    ``cls`` must pickle exactly as ``registered`` does (the same dispatch entry, hooks and
-    slots), and ``registered``'s dispatch entry, if any, must be its own package's (as
-    tensordict registers one for ``TensorDict``): a reducer registered by the program is
-    not what the reader models."""
-    entry = dispatch_entry(registered)
-    if entry is not None and reducer_package(entry) != package_of(registered):
+    ``registered`` must pickle as its own package says (:func:`own_pickling`), and ``cls``
+    exactly as ``registered`` does (the same dispatch entry, hooks and slots). An instance
+    with hooks of its own is refused where it is read (:func:`instance_hooks`)."""
+    if not own_pickling(registered):
         return False
     return cls is registered or pickling_of(cls) == pickling_of(registered)

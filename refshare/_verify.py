@@ -9,8 +9,13 @@ serialization (its in-band bytes and out-of-band buffers):
   fetched and deserialized on the driver, a skeleton rebuilt from its members, as on a
   worker) must serialize as what it would receive by value (the argument put and fetched
   by Ray's own ``ray.put``) does; the by-value digest is then kept with the object;
-- every later send of that object must have the same by-value digest: equal keys, equal
-  serializations.
+- every later send of that object (a ref, or a skeleton with the same key) must have the
+  same by-value digest: equal keys, equal serializations.
+
+What a worker receives is compared by its state where its class's pickling is its own
+(``__getstate__``, ``__reduce__``, a hook on the instance): re-serializing both objects
+through that code could hide a difference (a hook that reads a global, say); an object
+whose state cannot be described so is compared by its serialization.
 
 A difference is a mismatch: logged as an error naming the value's type, the call site and
 the argument, counted (``stats().mismatches``), and that argument goes by value. A class
@@ -37,7 +42,10 @@ import ray
 
 from . import _stats
 from ._hashing import Buffer, BufferHasher
+from ._keys.pickler import runs_own_pickling
+from ._keys.sizes import slot_names
 from ._ray.submit import raw_put
+from ._rules import instance_hooks
 from ._wire.serialized import native_split
 from ._wire.tensors import pickled_as_storage, storage_bytes
 
@@ -96,12 +104,32 @@ def _handle(*description: object) -> None:
     """Stands for an ``ObjectRef`` or an actor handle in a by-value digest; never called."""
 
 
+def _state(*description: object) -> None:
+    """Stands for an object described by its class and state; never called."""
+
+
+def _described_state(obj: Any) -> tuple[Any, ...] | None:
+    """``obj`` as its class and state (its ``__dict__`` and slots), for an object whose
+    pickling runs code of its own; ``None`` for any other, or one with no state to read."""
+    cls = type(obj)
+    if not (instance_hooks(obj) or runs_own_pickling(cls)):
+        return None
+    state = getattr(obj, "__dict__", None)
+    slots = slot_names(cls)
+    if type(state) is not dict and not slots:
+        return None  # a C type's state: only its pickling shows it
+    present = {name: getattr(obj, name) for name in slots if hasattr(obj, name)}
+    return _state, (cls,), (state if type(state) is dict else None, present)
+
+
 @functools.cache
-def _describer() -> type[pickle.Pickler]:
+def _describer(by_state: bool = False) -> type[pickle.Pickler]:
     """Ray's pickler, describing arrays and CPU tensors by what their pickling sends but
     not where it lies: torch's pickle of a tensor holds its storage's address, which
     differs between two equal tensors. Refs and actor handles are described by their ids:
-    pickled outside a task's serialization, Ray would keep what they name alive for good."""
+    pickled outside a task's serialization, Ray would keep what they name alive for good.
+    ``by_state``: objects whose pickling runs code of their own are described by their
+    state (see :func:`_described_state`), to compare what two workers received."""
     from ray import cloudpickle
 
     base: type[Any] = cloudpickle.CloudPickler
@@ -119,6 +147,10 @@ def _describer() -> type[pickle.Pickler]:
                 return _handle, ("ref", obj.binary())
             if isinstance(obj, ray.actor.ActorHandle):  # and a handle to this actor
                 return _handle, ("actor", obj._actor_id.binary())
+            if by_state and not isinstance(obj, type):
+                described = _described_state(obj)
+                if described is not None:
+                    return described
             return super().reducer_override(obj)
 
         def describe_tensor(self, t: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -130,16 +162,16 @@ def _describer() -> type[pickle.Pickler]:
     return Describer
 
 
-def serialized_digest(value: Any) -> bytes:
+def serialized_digest(value: Any, by_state: bool = False) -> bytes:
     """A digest of Ray's serialization of ``value``, as a task argument or a put sends it:
     the msgpack part, then the other objects pickled together by Ray's cloudpickle (its
     registered serializers included), in-band bytes and out-of-band buffers, arrays'
     dtypes by value. (Ray's own serialized bytes are not compared: their padding depends
-    on where buffers lie.)"""
+    on where buffers lie.) ``by_state``: see :func:`_describer`."""
     native, objects = native_split(value)
     stream = io.BytesIO()
     buffers: list[pickle.PickleBuffer] = []
-    _describer()(stream, protocol=5, buffer_callback=buffers.append).dump(objects)
+    _describer(by_state)(stream, protocol=5, buffer_callback=buffers.append).dump(objects)
     parts: list[Buffer] = [native or b"", stream.getbuffer()]
     parts += [buffer.raw() for buffer in buffers]
     return BufferHasher(b"by value").add_all(parts).digest()
@@ -202,7 +234,8 @@ class Verifier:
         except Exception:
             logger.debug("verify: cannot serialize %s", type(value).__qualname__, exc_info=True)
             return sent  # Ray cannot send it by value either: nothing to compare
-        ident = sent.binary() if isinstance(sent, ray.ObjectRef) else None
+        # What was sent stands for one stored content: a ref, or an inline skeleton's key.
+        ident = sent.binary() if isinstance(sent, ray.ObjectRef) else getattr(sent, "key", None)
         with self._lock:
             if session != self._session:
                 self._digests.clear()
@@ -234,15 +267,23 @@ class Verifier:
     def _compare_received(value: Any, sent: Any) -> str | None:
         """Why a worker would receive other than by value through ``sent``, or ``None``."""
         try:
-            by_value = serialized_digest(_fetched(raw_put(value)))
+            by_value = _fetched(raw_put(value))
+            expected = serialized_digest(by_value)
         except Exception:
             logger.debug("verify: by value fails for %s", type(value).__qualname__, exc_info=True)
             return None  # by value fails, or its result cannot be sent again: nothing to compare
         try:
-            received = serialized_digest(_fetched(sent))
+            received = _fetched(sent)
+            if serialized_digest(received) != expected:
+                return "what the worker rebuilds differs"
         except Exception as error:
             return f"rebuilding it failed: {error!r}"
-        return None if received == by_value else "what the worker rebuilds differs"
+        try:
+            alike = serialized_digest(received, True) == serialized_digest(by_value, True)
+        except Exception:  # a state that cannot be described: its serialization says it
+            logger.debug("verify: cannot describe %s", type(value).__qualname__, exc_info=True)
+            return None
+        return None if alike else "what the worker rebuilds differs in its state"
 
 
 verifier = Verifier()

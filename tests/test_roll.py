@@ -357,6 +357,8 @@ class OldDataProto(DataProto):  # type: ignore[misc,valid-type]
 
 
 OldDataProto.__module__, OldDataProto.__qualname__ = PROTOCOL, "DataProto"
+for _hook in (OldDataProto.__getstate__, OldDataProto.__setstate__):
+    _hook.__module__ = PROTOCOL  # ROLL's own pickling, as where v0.2 is installed
 
 
 def _register_as_installed() -> None:

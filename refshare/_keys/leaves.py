@@ -12,6 +12,7 @@ from typing import Any
 import xxhash
 
 from .._hashing import PARALLEL_MIN_BYTES, SEED, digest_buffer, digest_with, tagged
+from .._rules import instance_hooks
 from .._wire.arrays import dtype_token, flat_bytes, memory_order
 from .._wire.strings import joined
 from .._wire.tensors import TensorElements, element_bytes, pickled_as_storage, storage_bytes
@@ -117,6 +118,8 @@ def _ndarray_digest(arr: Any, memo: Memo | None, reuse: bool) -> Key | None:
 def _check_tensor(t: Any, with_state: bool = False) -> None:
     if not pickled_as_storage(t, with_state):
         raise Unfingerprintable(f"{t.device.type} {t.layout} tensor, as Ray sends it")
+    if with_state and instance_hooks(t):
+        raise Unfingerprintable("a tensor with pickling of its own")
 
 
 def tensor_state(t: Any) -> dict[str, Any] | None:

@@ -19,7 +19,13 @@ import xxhash
 
 from .._hashing import SEED, BufferHasher, tagged
 from .._ray.pickling import sent_by_value
-from .._rules import dispatch_entry, package_of, pickling_epoch, reducer_package
+from .._rules import (
+    dispatch_entry,
+    instance_hooks,
+    package_of,
+    pickling_epoch,
+    reducer_package,
+)
 from .._wire import serialized
 from .._wire.arrays import memory_order
 from .leaves import Unfingerprintable, ndarray_head, tensor_digest, tensor_state
@@ -169,6 +175,10 @@ class _FingerprintPickler(pickle.Pickler):
                 return _from_digest, (digest,)
             if self.strict and getattr(obj, "size", 0) > SERIALIZE_OBJECT_ARRAYS_FROM:
                 raise NeedsSerializing("a large array of Python objects")
+            return NotImplemented
+        if instance_hooks(obj):  # pickled as its own hook says: no reader reads it
+            if self.strict:
+                raise NeedsSerializing(f"{cls.__qualname__} with pickling of its own")
             return NotImplemented
         known = user_fingerprints.lookup(cls) if user_fingerprints else None
         if known is None:

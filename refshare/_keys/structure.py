@@ -9,6 +9,7 @@ import types
 from typing import Any, NamedTuple
 
 from .._ray.pickling import sent_by_value
+from .._rules import pickling_epoch, pickling_of
 from .._wire.arrays import dtype_token
 from .sizes import SCALARS, slot_names
 from .stamps import leaf_token
@@ -51,11 +52,14 @@ def _walkable(cls: type) -> bool:
 
 
 class _Walk:
-    __slots__ = ("budget", "by_value", "held", "tokens")
+    __slots__ = ("budget", "by_value", "classes", "held", "tokens")
 
     def __init__(self) -> None:
         self.budget = STRUCTURE_VISIT_BUDGET
-        self.tokens: list[object] = []
+        #: What decides how each object pickles besides its state: the dispatch tables'
+        #: entries (``pickling_epoch``), and each Python class's hooks, once per class.
+        self.tokens: list[object] = [pickling_epoch()]
+        self.classes: set[type] = set()
         #: Every object visited, held so that no id in the tokens is recycled meanwhile.
         self.held: list[object] = []
         #: Whether Ray sends each class met as code (see ``sent_by_value``).
@@ -83,6 +87,9 @@ class _Walk:
             return
         if self.sent_by_value(cls):
             raise _TooLarge  # the class travels with its instance
+        if cls.__flags__ & _HEAP_TYPE and cls not in self.classes:
+            self.classes.add(cls)  # a hook assigned to the class since changes the stamp
+            self.tokens.append(pickling_of(cls))
         stamp_fn = stamps.lookup(cls)
         if stamp_fn is not None:
             self.add_leaf(obj, stamp_fn)
@@ -173,9 +180,12 @@ def structure_stamp(obj: object) -> StructureStamp | None:
     The stamp lists each container's identity and length, each attribute's name, the
     identity of each immutable atom, and each array's or tensor's own stamp (address,
     layout, version counter and a spot check of its elements), or for one below
-    ``STAMP_MIN_BYTES`` a digest of all of it (see ``refshare._keys.stamps.vouches_for``).
-    Two stamps of one object are equal only if nothing a pickle would see has been
-    replaced, resized or written to (in a large leaf, within what a spot check reads). A
+    ``STAMP_MIN_BYTES`` a digest of all of it (see ``refshare._keys.stamps.vouches_for``);
+    and each Python class's pickling hooks, and the dispatch tables' size. Two stamps of
+    one object are equal only if nothing of it a pickle would see has been replaced,
+    resized or written to (in a large leaf, within what a spot check reads), and no hook
+    or reducer of its classes replaced or registered. What pickling code reads from outside
+    the value (a module global, a class attribute) is not in the stamp. A
     value the walk cannot vouch for gets no stamp: one larger than its budget, one holding
     a class or function that Ray sends as code, an object of a C type the walk cannot look
     into, a large tensor without a version counter.

@@ -79,7 +79,9 @@ def register_fingerprint(
     out that a worker would see. A subclass is read with ``fingerprint`` only if it pickles
     as ``cls`` does: the same ``__reduce_ex__``, ``__reduce__``, ``__getstate__``,
     ``__setstate__``, ``__getnewargs_ex__``, ``__getnewargs__``, slots and ``copyreg``
-    entry. ``size`` is the same as :func:`register_size`.
+    entry; ``cls`` itself only while its pickling is its own module's (no hook assigned,
+    no reducer registered for it by other code), and no instance holding a hook of its own
+    (see ``refshare._rules``). ``size`` is the same as :func:`register_size`.
     """
     if not isinstance(cls, type):
         raise TypeError(f"register_fingerprint() takes a class, got {cls!r}")
