@@ -22,7 +22,7 @@ from ._dispatch import TypeTable
 from ._hashing import Buffer, BufferHasher
 from ._keys.leaves import tensor_digest
 from ._keys.pickler import runs_own_pickling
-from ._keys.sizes import estimate_size
+from ._keys.sizes import estimate_size, plain_ndarray
 from ._keys.tables import Key, Keyed, leaf_digests
 from ._ray.pickling import ship_by_value
 from ._rules import instance_hooks, pickles_as
@@ -154,6 +154,7 @@ class _Splitter:
         self.handles: list[Any] = []
         self.tensors = False
         self.seen: dict[int, tuple[object, Any]] = {}
+        self.ndarray = plain_ndarray()
 
     def persistent_id(self, obj: Any) -> Any:
         cls = type(obj)
@@ -161,14 +162,19 @@ class _Splitter:
             return None
         if isinstance(obj, self.handle_types):
             return self._take(obj, self.handles, obj, handle=True)
-        if leaf_digests.exact(cls) is None or cls in _INLINE:
-            return None
-        if getattr(getattr(obj, "dtype", None), "hasobject", False):
-            return None  # an array of Python objects: pickled inline, element by element
+        if cls is self.ndarray:  # most members: sized as the size table sizes them
+            if obj.dtype.hasobject:
+                return None  # an array of Python objects: pickled inline, one by one
+            nbytes = obj.nbytes
+        else:
+            if leaf_digests.exact(cls) is None or cls in _INLINE:
+                return None
+            if getattr(getattr(obj, "dtype", None), "hasobject", False):
+                return None
+            nbytes = estimate_size(obj)
         entry = self.seen.get(id(obj))
         if entry is not None and entry[0] is obj:
             return entry[1]
-        nbytes = estimate_size(obj)
         if nbytes < self.min_bytes:
             return None
         keyed = self.key(obj, nbytes)

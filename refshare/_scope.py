@@ -16,9 +16,10 @@ from ray import ObjectRef
 
 from . import _admission, _report, _stats
 from ._admission import Admission, Splitting
-from ._cache import PutLocks, RefCache, audit_cache, scope_budget
+from ._cache import CacheEntry, PutLocks, RefCache, audit_cache, scope_budget
 from ._deep import Bundled, NotSplittable, Skeleton, Split, bundled_key, split
 from ._keys import Key, Keyed, Memo, identify
+from ._keys.leaves import small_array_digest
 from ._keys.pickler import learn_pickling, pickles_alike, pickling_classes, runs_own_pickling
 from ._keys.sizes import SCALARS, estimate_size, measure
 from ._keys.structure import StampedMemo, structure_stamp
@@ -271,13 +272,11 @@ class Scope:
         small or holds refs or handles is returned instead, to travel inside the task
         message, as Ray inlines a small value, or with the task, so that the refs and
         handles in it live as long as by value."""
-        refs: list[Any] = []
+        refs = self.lookup_members(found.members)
         new: dict[Key, list[int]] = {}  # members no scope or cache holds: key -> where
-        for index, member in enumerate(found.members):
-            ref = self.lookup_member(member)
+        for index, (member, ref) in enumerate(zip(found.members, refs, strict=True)):
             if ref is None:
                 new.setdefault(member.key, []).append(index)
-            refs.append(ref)
         stored = self.store_new([found.members[where[0]] for where in new.values()])
         if any(ref is None for ref in stored):
             return fallback  # a member Ray refused: the argument goes by value
@@ -294,18 +293,22 @@ class Scope:
         :meth:`store_keyed`, threads and scopes that miss one key at once wait for one put
         (see ``PutLocks``: two bundles never wait on each other)."""
         with self.put_locks.holding(member.key for member in members):
-            refs = [self.lookup_member(member) for member in members]
+            refs = self.lookup_members(members)
             missing = [m for m, r in zip(members, refs, strict=True) if r is None]
             stored = self.put_bundle(missing) if len(missing) > 1 else None
             fresh = iter(stored or [self.put(member, None) for member in missing])
             return [next(fresh) if r is None else r for r in refs]
 
-    def lookup_member(self, member: Keyed) -> Any:
-        """The ref of ``member``, stored alone or in a bundle (a hit), or ``None``."""
-        ref = self.lookup(member.key, member.nbytes, member=True)
-        if ref is None:
-            ref = self.lookup(bundled_key(member.key), member.nbytes, member=True)
-        return ref
+    def lookup_members(self, members: list[Keyed]) -> list[Any]:
+        """The ref of each of ``members``, stored alone or in a bundle (hits), or ``None``."""
+        refs: list[Any] = self.lookup_many([m.key for m in members], [m.nbytes for m in members])
+        alone = [i for i, ref in enumerate(refs) if ref is None]
+        if alone:
+            keys = [bundled_key(members[i].key) for i in alone]
+            found = self.lookup_many(keys, [members[i].nbytes for i in alone])
+            for i, ref in zip(alone, found, strict=True):
+                refs[i] = ref
+        return refs
 
     def put_bundle(self, members: list[Keyed]) -> list[Any] | None:
         """Put new ``members`` in one object and keep each one's place in it, or ``None``
@@ -370,6 +373,9 @@ class Scope:
         return found
 
     def key_member(self, member: Any, nbytes: int) -> Keyed | None:
+        digest = small_array_digest(member)  # the many small arrays of a batch: hashed now
+        if digest is not None:
+            return Keyed(digest, member, nbytes)
         return self.key(member, nbytes)
 
     # -- one value: keyed, looked up, or put --------------------------------------------------
@@ -465,23 +471,46 @@ class Scope:
         ref = self.local.get(key)
         in_call = ref is not None
         if ref is None and self.cache is not None:
-            entry = self.cache.entry(key)
-            if entry is not None:
-                ref = entry.ref
-                self.hold(ref, sum(nbytes for _, nbytes in entry.keeps))
-                self.local[key] = ref
+            ref = self.kept(key, self.cache.entry(key))
         if ref is not None:
-            self.tally.add(
-                (_report.HITS, 1),
-                (_report.BYTES_REPEATED, nbytes),
-                (_report.BYTES_IN_CALL, nbytes if in_call else 0),
-                (_report.BYTES_MEMBERS, nbytes if member else 0),
-            )
-            if not self.audit:
-                _stats.record_hit(nbytes)
-            if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("hit  %d bytes, key %s", nbytes, key.hex()[:12])
+            self.hit(key, nbytes, in_call, member)
         return ref
+
+    def lookup_many(self, keys: list[Key], sizes: list[int]) -> list[Any]:
+        """:meth:`lookup` of many members' keys: those the scope does not hold looked up in
+        the cache at once."""
+        refs = [self.local.get(key) for key in keys]
+        in_call = [ref is not None for ref in refs]
+        missed = [i for i, ref in enumerate(refs) if ref is None]
+        if missed and self.cache is not None:
+            entries = self.cache.entries([keys[i] for i in missed])
+            for i, entry in zip(missed, entries, strict=True):
+                refs[i] = self.kept(keys[i], entry)
+        for key, ref, nbytes, again in zip(keys, refs, sizes, in_call, strict=True):
+            if ref is not None:
+                self.hit(key, nbytes, again, member=True)
+        return refs
+
+    def kept(self, key: Key, entry: CacheEntry | None) -> Any:
+        """The ref of a cache ``entry`` found for ``key``, kept by this scope from now on."""
+        if entry is None:
+            return None
+        self.hold(entry.ref, sum(nbytes for _, nbytes in entry.keeps))
+        self.local[key] = entry.ref
+        return entry.ref
+
+    def hit(self, key: Key, nbytes: int, in_call: bool, member: bool) -> None:
+        """Count a hit of ``nbytes`` (``in_call``: found in what this call sent)."""
+        self.tally.add(
+            (_report.HITS, 1),
+            (_report.BYTES_REPEATED, nbytes),
+            (_report.BYTES_IN_CALL, nbytes if in_call else 0),
+            (_report.BYTES_MEMBERS, nbytes if member else 0),
+        )
+        if not self.audit:
+            _stats.record_hit(nbytes)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("hit  %d bytes, key %s", nbytes, key.hex()[:12])
 
     def put(self, keyed: Keyed, fallback: Any) -> Any:
         """Put ``keyed.stored`` and keep its ref, in this scope and the cache."""

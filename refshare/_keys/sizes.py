@@ -91,13 +91,11 @@ def _leaf_size(obj: object) -> int | None:
 
 
 def _arrays_nbytes(items: Any) -> int | None:
-    """The bytes of a list or tuple of numeric numpy arrays (shards, say) in one tight loop,
-    as the walk would count them; ``None`` for anything else."""
-    numpy = sys.modules.get("numpy")
-    ndarray = getattr(numpy, "ndarray", None)
-    if type(items) not in (list, tuple) or not items or type(items[0]) is not ndarray:
-        return None
-    if sizes.lookup(ndarray) is not _ndarray_size:  # a size of the program's own
+    """The bytes of the items of a container, all numeric numpy arrays (shards, a batch's
+    columns), in one tight loop, as the walk would count them; ``None`` as soon as one is
+    anything else."""
+    ndarray: Any = plain_ndarray()
+    if ndarray is None:
         return None
     total = 0
     for arr in items:
@@ -105,6 +103,13 @@ def _arrays_nbytes(items: Any) -> int | None:
             return None
         total += arr.nbytes
     return total
+
+
+def plain_ndarray() -> type | None:
+    """``numpy.ndarray`` where numpy is imported and its arrays are sized by the table's own
+    rule (their ``nbytes``), not by a size of the program's; else ``None``."""
+    ndarray = getattr(sys.modules.get("numpy"), "ndarray", None)
+    return ndarray if ndarray is not None and sizes.lookup(ndarray) is _ndarray_size else None
 
 
 _slots: dict[type, tuple[str, ...]] = {}
@@ -148,12 +153,11 @@ class _Sizing:
         elif id(obj) in self.seen:
             return
         self.seen.add(id(obj))
-        if isinstance(obj, dict):
-            self.add_members(obj.values(), len(obj))
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            arrays = _arrays_nbytes(obj) if len(obj) <= self.budget else None
+        if isinstance(obj, (dict, list, tuple, set, frozenset)):
+            items = obj.values() if isinstance(obj, dict) else obj
+            arrays = _arrays_nbytes(items) if 0 < len(obj) <= self.budget else None
             if arrays is None:
-                self.add_members(obj, len(obj))
+                self.add_members(items, len(obj))
             else:
                 self.budget -= len(obj)
                 self.total += arrays

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from .._ray.pickling import sent_by_value
 from .._rules import pickling_epoch, pickling_of
 from .._wire.arrays import dtype_token
+from .leaves import small_array_digest
 from .sizes import SCALARS, slot_names
 from .stamps import leaf_token
 from .tables import StampFn, stamps
@@ -79,6 +80,10 @@ class _Walk:
         self.held.append(obj)
         if cls in _ATOMS:
             self.tokens.append(id(obj))
+            return
+        digest = small_array_digest(obj)  # a small array: all of it, at once
+        if digest is not None:
+            self.tokens.append((id(obj), digest))
             return
         if isinstance(obj, type) or cls is types.FunctionType:
             if self.sent_by_value(obj):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import sys
 from typing import Any, Literal
 
 #: The memory layout of an array: C or F contiguous, or neither (a strided view).
@@ -53,3 +54,21 @@ def flat_bytes(arr: Any) -> tuple[Order, Any]:
     import numpy as np
 
     return order, np.ascontiguousarray(arr).reshape(-1).view("u1")
+
+
+def buffer_form(arr: Any) -> tuple[Any, tuple[int, ...], str, pickle.PickleBuffer] | None:
+    """What numpy's protocol-5 pickling sends of an exact, contiguous array of fixed-size
+    elements: its dtype, shape, order and its bytes out of band, rebuilt on the worker as
+    numpy rebuilds it (``bootstrap.rebuild_array``); ``None`` for any other array, which
+    numpy pickles otherwise. The dtype travels as the object it is, so one pickle of many
+    arrays of one dtype makes one dtype object of it, as by value."""
+    numpy = sys.modules.get("numpy")
+    if numpy is None or type(arr) is not numpy.ndarray:
+        return None
+    dtype = arr.dtype
+    if dtype.hasobject or not dtype.itemsize:
+        return None
+    order = memory_order(arr)
+    if order == "N":
+        return None
+    return dtype, arr.shape, order, pickle.PickleBuffer(arr if order == "C" else arr.T)

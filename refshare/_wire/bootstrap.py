@@ -131,9 +131,20 @@ def _repeats(members: list[Any], count: int) -> list[tuple[int, bool]]:
     return places
 
 
-def _unbundled(inband: Any, buffers: list[Any]) -> Any:
-    """One member of a bundle, as Ray's unpickling of it alone would give it."""
-    return pickle.loads(inband, buffers=buffers)
+def _unbundled(*part: Any) -> Any:
+    """One member of a bundle, as Ray's unpickling of it alone would give it: its pickle
+    ``(inband, buffers)``, or an array's ``(dtype, shape, order, data)``."""
+    if len(part) == 2:
+        return pickle.loads(part[0], buffers=part[1])
+    return rebuild_array(*part)
+
+
+def rebuild_array(dtype: Any, shape: Any, order: Literal["C", "F"], data: Any) -> Any:
+    """An array as numpy's protocol-5 unpickling makes it (``numpy._core.numeric.
+    _frombuffer``): a view of the buffer, read-only where the buffer is."""
+    import numpy as np
+
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order=order)
 
 
 def _as_unpickled(td: Any) -> Any:

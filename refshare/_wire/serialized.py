@@ -26,6 +26,7 @@ from typing import Any
 from .._hashing import Buffer, BufferHasher
 from .._ray.pickling import ship_by_value
 from . import bootstrap
+from .arrays import buffer_form
 from .strings import strings_form
 from .tensors import tensor_form
 
@@ -222,12 +223,17 @@ class PickleOnPut:
 def bundle_form(members: list[Any]) -> tuple[Any, ...] | None:
     """Several members of a deep-shared argument as one object to store: each pickled as
     Ray would pickle it alone (its tensors as their bytes), as its in-band pickle and its
-    out-of-band buffers, so that a worker unpickles only the members its skeleton names
+    out-of-band buffers, or for a plain array, what numpy's pickling of it sends (see
+    ``arrays.buffer_form``), so that a worker rebuilds only the members its skeleton names
     (see ``bootstrap.rebuild_skeleton``). ``None`` where one cannot be pickled so."""
     if not available():
         return None
-    parts = []
+    parts: list[tuple[Any, ...]] = []
     for stored in members:
+        array = buffer_form(stored)  # an array as numpy pickles it, without a pickler
+        if array is not None:
+            parts.append(array)
+            continue
         pickled = stored if isinstance(stored, Serialized) else None
         try:
             if pickled is None:
