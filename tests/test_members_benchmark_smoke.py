@@ -22,7 +22,7 @@ from test_benchmark_smoke import assert_wrote, table_after
 pytestmark = [pytest.mark.slow, pytest.mark.verify_off]
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-STRATEGIES = ["by value", "top-level", "deep", "default"]
+STRATEGIES = ["by value", "ray.put", "top-level", "deep", "default"]
 TIMES_HEADER = ["members", "case", *STRATEGIES, "xxh3 pass", "target", "result"]
 #: What ``members.py --smoke`` measures: (N, member label), each first and repeat.
 SMOKE_CASES = [("10", "1 KiB"), ("100", "1 KiB"), ("10", "128 KiB")]
@@ -92,7 +92,7 @@ def test_members_json_counts(members_run: Path) -> None:
     results: dict[str, Any] = json.loads((members_run / "members.json").read_text())
     reps = results["config"]["reps"]
     for case in results["cases"]:
-        assert set(case["times"]) == {"by_value", "top", "deep", "default"}
+        assert set(case["times"]) == {"by_value", "put", "top", "deep", "default"}
         assert all(len(t) == reps and min(t) > 0 for t in case["times"].values())
         for name, counts in case["refshare_counts"].items():
             if case["case"] == "repeat":
