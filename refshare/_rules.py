@@ -93,14 +93,21 @@ def _slots(cls: type) -> frozenset[str]:
     return frozenset(names)
 
 
+def registered_with_ray(entry: Any) -> bool:
+    """Whether a dispatch-table entry is Ray's reducer for a serializer registered with
+    ``ray.util.register_serializer``: its deserializer, not the class's unpickling, makes
+    what a worker receives."""
+    code = getattr(entry, "__code__", None)
+    return code is not None and "custom_serializer" in code.co_freevars
+
+
 def reducer_package(entry: Any) -> str:
     """The package whose code a dispatch-table entry runs: for a serializer registered with
     Ray (``ray.util.register_serializer``), the package of the program's serializer that
     Ray's reducer calls, not Ray's."""
-    code = getattr(entry, "__code__", None)
-    cells = getattr(entry, "__closure__", None)
-    if code is not None and cells and "custom_serializer" in code.co_freevars:
-        entry = cells[code.co_freevars.index("custom_serializer")].cell_contents
+    if registered_with_ray(entry) and entry.__closure__:
+        code = entry.__code__
+        entry = entry.__closure__[code.co_freevars.index("custom_serializer")].cell_contents
     return package_of(entry)
 
 
@@ -137,9 +144,13 @@ def own_pickling(cls: type) -> bool:
     any, is its own package's (as tensordict registers one for ``TensorDict``), and each
     hook it resolves along its MRO was defined in the package of the class that holds it,
     or is one of Python's. A reducer registered, or a hook assigned, by other code (the
-    program patching ``DataProto.__getstate__``) is not what a reader of ``cls`` models."""
+    program patching ``DataProto.__getstate__``) is not what a reader of ``cls`` models; nor
+    is a serializer registered with Ray, whatever its functions (a deserializer runs on the
+    worker instead of the class's unpickling)."""
     entry = dispatch_entry(cls)
-    if entry is not None and reducer_package(entry) != package_of(cls):
+    if entry is not None and (
+        registered_with_ray(entry) or reducer_package(entry) != package_of(cls)
+    ):
         return False
     for name in PICKLING_HOOKS:
         for base in cls.__mro__:

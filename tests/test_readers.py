@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import ray
-from differential_kit import Probe, first_difference
+from differential_kit import Probe, describe_fully, first_difference
 
 import refshare
 
@@ -236,3 +236,42 @@ def test_chunks_of_a_batch_arrive_as_by_value(probes: list[Any], deep: Any) -> N
 
     make = [lambda i=i: chunks()[i] for i in range(4)]
     assert_as_by_value(probes, make, deep)
+
+
+def hook_setstate() -> None:
+    """Wrap ``DataProto.__setstate__`` in this process, as a platform that post-processes
+    each batch it loads would."""
+    original = DataProto.__setstate__
+
+    def hooked(data: Any, state: Any) -> None:
+        original(data, state)
+        data.meta_info = {**data.meta_info, "seen_by_hook": True}
+
+    DataProto.__setstate__ = hooked
+
+
+@ray.remote(num_cpus=0.05)
+class Patched:
+    """A worker whose ``DataProto.__setstate__`` a hook of its own wraps."""
+
+    def __init__(self) -> None:
+        hook_setstate()
+
+    def describe(self, value: Any) -> Any:
+        return describe_fully(value)
+
+
+@pytest.mark.parametrize("deep", DEEP)
+def test_a_setstate_the_worker_patched_runs_as_by_value(probes: list[Any], deep: Any) -> None:
+    """verl's deep rebuild sets the fields itself only where the worker's ``__setstate__``
+    is the code the driver read; else it runs the worker's on the state verl sends."""
+    worker = Patched.remote()  # type: ignore[attr-defined]
+    try:
+        value = dataproto(TensorDict(tensors(), batch_size=[ROWS]))
+        expected = ray.get(worker.describe.remote(value))
+        assert expected != by_value(probes, value)[0]  # the hook ran
+        with refshare.sharing(min_bytes=1 << 10, deep=deep, verify=True):
+            got = ray.get(worker.describe.remote(value))
+        assert got == expected, first_difference(got, expected)
+    finally:
+        ray.kill(worker)

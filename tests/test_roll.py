@@ -399,6 +399,72 @@ def test_the_v02_layout_is_keyed_and_sent_as_its_pickling_sends_it() -> None:
         ]
 
 
+# -- pickling changed from outside ROLL ---------------------------------------------------------
+
+
+def hook_setstate() -> None:
+    """Wrap ``DataProto.__setstate__`` in this process, as a platform that post-processes
+    each batch it loads would."""
+    original = DataProto.__setstate__
+
+    def hooked(data: Any, state: Any) -> None:
+        original(data, state)
+        data.meta_info = {**data.meta_info, "seen_by_hook": True}
+
+    DataProto.__setstate__ = hooked
+
+
+@ray.remote(num_cpus=0.05)
+class Patched:
+    """A worker whose ``DataProto.__setstate__`` a hook of its own wraps: by value,
+    unpickling runs the hook. (Its methods name this module's functions only: Ray sends an
+    actor class by value, and a worker imports this module, which publishes the mirror,
+    before it can name ROLL's classes.)"""
+
+    def __init__(self) -> None:
+        hook_setstate()
+
+    def received(self, data: Any) -> Any:
+        return describe(data)
+
+
+@pytest.mark.parametrize("deep", [None, True, False])
+def test_a_setstate_the_worker_patched_runs_as_by_value(deep: Any) -> None:
+    """The deep rebuild sets ROLL's fields itself only where the worker's ``__setstate__`` is
+    the code the driver read; else it runs the worker's on the state ROLL sends."""
+    worker = Patched.remote()  # type: ignore[attr-defined]
+    try:
+        expected = ray.get(worker.received.remote(make()))
+        assert "seen_by_hook" in repr(expected)
+        with refshare.sharing(min_bytes=0, deep=deep):
+            assert ray.get(worker.received.remote(make())) == expected
+    finally:
+        ray.kill(worker)
+
+
+def _user_deserializer(state: Any) -> Any:
+    data = DataProto.__new__(DataProto)
+    data.__setstate__(state)
+    data.meta_info = {**data.meta_info, "through_ray_serializer": True}
+    return data
+
+
+@pytest.mark.parametrize("deep", [None, True, False])
+def test_a_serializer_registered_with_ray_is_what_is_sent(deep: Any) -> None:
+    """A serializer registered with Ray replaces the class's unpickling by its deserializer,
+    ROLL's own ``__getstate__`` as serializer or not: no reader reads the class then."""
+    first, _ = both_ways(make(), min_bytes=0, deep=deep)  # read, and cached
+    ray.util.register_serializer(
+        DataProto, serializer=DataProto.__getstate__, deserializer=_user_deserializer
+    )
+    try:
+        by_value, shared = both_ways(make(), min_bytes=0, deep=deep)
+    finally:
+        ray.util.deregister_serializer(DataProto)
+    assert "through_ray_serializer" in repr(by_value) and by_value != first
+    assert shared == by_value
+
+
 # -- enable("roll") ---------------------------------------------------------------------------
 
 

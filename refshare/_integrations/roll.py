@@ -190,4 +190,6 @@ def dataproto_members(data: Any) -> Any:
         return NotImplemented
     if len(set(pattern)) != len(pattern) or any(t.device.type != "cpu" for t in tensors):
         return NotImplemented
-    return bootstrap.rebuild_roll_dataproto, (type(data), tuple(zip(fields, state, strict=True)))
+    setstate = bootstrap.code_digest(getattr(type(data), "__setstate__", None))
+    rebuild = (type(data), tuple(zip(fields, state, strict=True)), setstate)
+    return bootstrap.rebuild_roll_dataproto, rebuild

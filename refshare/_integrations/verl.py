@@ -124,5 +124,6 @@ def dataproto_members(data: Any) -> Any:
     tensors = {key: TensorElements(tensor) for key, tensor in entries}
     parts = (tensors, tuple(batch.batch_size), batch.device, names)
     consolidate = _consolidates() and len(entries) > 0
-    state = (type(data), parts, data.non_tensor_batch, data.meta_info, consolidate)
+    setstate = bootstrap.code_digest(getattr(type(data), "__setstate__", None))
+    state = (type(data), parts, data.non_tensor_batch, data.meta_info, consolidate, setstate)
     return bootstrap.rebuild_dataproto, state

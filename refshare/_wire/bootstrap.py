@@ -7,7 +7,9 @@ have: keep this module free of imports from refshare.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import marshal
 import pickle
 from typing import Any, Literal
 
@@ -157,19 +159,54 @@ def _as_unpickled(td: Any) -> Any:
     return rebuild(*args)
 
 
+def code_digest(hook: Any) -> bytes | None:
+    """What tells a class's hook on the worker from the one the driver read: a digest of
+    its code (where it was defined left out), ``None`` for a hook that is not Python's."""
+    code = getattr(getattr(hook, "__func__", hook), "__code__", None)
+    if code is None:
+        return None
+    return hashlib.blake2b(marshal.dumps(code.replace(co_filename="")), digest_size=16).digest()
+
+
+def _runs_as_read(cls: Any, setstate: bytes | None) -> bool:
+    """Whether ``cls.__setstate__`` here is the code the driver's reduction modelled: else
+    a worker patched it, and the rebuild runs it as by value would."""
+    return setstate is not None and code_digest(getattr(cls, "__setstate__", None)) == setstate
+
+
+def _saved(batch: Any) -> io.BytesIO:
+    """``torch.save`` of a batch, as a ``DataProto``'s ``__getstate__`` sends it."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(batch, buffer)
+    buffer.seek(0)
+    return buffer
+
+
 def rebuild_dataproto(
-    cls: Any, parts: Any, non_tensor_batch: Any, meta_info: Any, consolidate: bool
+    cls: Any,
+    parts: Any,
+    non_tensor_batch: Any,
+    meta_info: Any,
+    consolidate: bool,
+    setstate: bytes | None = None,
 ) -> Any:
     """A verl ``DataProto`` from its tensors, as its own unpickling gives it: its
     ``__setstate__`` sets three attributes, its batch loaded as ``torch.save`` kept it
-    (consolidated, where tensordict consolidates)."""
+    (consolidated, where tensordict consolidates). Where this worker's ``__setstate__`` is
+    not verl's code the driver read, it is run on the state verl's ``__getstate__`` sends."""
     from tensordict import TensorDict
 
     tensors, batch_size, device, names = parts
     batch = TensorDict(tensors, batch_size=batch_size, device=device, names=names)
+    data = cls.__new__(cls)
+    if not _runs_as_read(cls, setstate):
+        saved = _saved(batch.contiguous().consolidate() if consolidate else batch)
+        data.__setstate__((saved.getvalue(), non_tensor_batch, meta_info))
+        return data
     if consolidate:
         batch = _as_unpickled(batch.contiguous().consolidate())
-    data = cls.__new__(cls)
     data.batch, data.non_tensor_batch, data.meta_info = batch, non_tensor_batch, meta_info
     return data
 
@@ -194,12 +231,18 @@ def rebuild_consolidated(rebuild: Any, metadata: Any, pieces: list[Any], nbytes:
     return rebuild(metadata, storage)
 
 
-def rebuild_roll_dataproto(cls: Any, fields: Any) -> Any:
+def rebuild_roll_dataproto(cls: Any, fields: Any, setstate: bytes | None = None) -> Any:
     """A ROLL ``DataProto`` as its ``__setstate__`` leaves it: a new instance, never
     initialized, with each field its state holds set in that order (``_batch``,
     ``_non_tensor_batch``, ``_remote_batch``, ``meta_info``; before v0.3.0 ``batch``,
-    ``non_tensor_batch``, ``meta_info``)."""
+    ``non_tensor_batch``, ``meta_info``). Where this worker's ``__setstate__`` is not ROLL's
+    code the driver read, it is run on the state ROLL's ``__getstate__`` sends (the batch
+    ``torch.save``d first)."""
     data = cls.__new__(cls)
+    if not _runs_as_read(cls, setstate):
+        batch, *rest = (value for _, value in fields)
+        data.__setstate__((_saved(batch), *rest))
+        return data
     for name, value in fields:
         setattr(data, name, value)
     return data
