@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+pytestmark = [pytest.mark.scripts, pytest.mark.slow]
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "fanout.py"
 STRATEGIES = [
     "by value",
@@ -108,12 +109,10 @@ def assert_wrote(out: Path, stem: str) -> None:
         assert plot.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
-@pytest.mark.slow
 def test_writes_its_files(smoke_run: Path) -> None:
     assert_wrote(smoke_run, "fanout")
 
 
-@pytest.mark.slow
 def test_json_has_every_measurement(results: dict[str, Any]) -> None:
     assert results.keys() >= JSON_KEYS
     config = results["config"]
@@ -137,7 +136,6 @@ def test_json_has_every_measurement(results: dict[str, Any]) -> None:
         assert key in results["meta"]
 
 
-@pytest.mark.slow
 def test_refshare_shared_in_the_benchmark(results: dict[str, Any]) -> None:
     """The refshare strategies did what they are named for: first puts, repeats only hit."""
     reps = results["config"]["reps"]
@@ -148,7 +146,6 @@ def test_refshare_shared_in_the_benchmark(results: dict[str, Any]) -> None:
         assert counts["refshare_reuse"] == {"puts": 0, "hits": reps * n}
 
 
-@pytest.mark.slow
 def test_markdown_tables(smoke_run: Path, results: dict[str, Any]) -> None:
     markdown = (smoke_run / "fanout.md").read_text()
     assert markdown.startswith("# refshare fan-out benchmark")

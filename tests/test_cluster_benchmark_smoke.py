@@ -22,7 +22,7 @@ import _cluster_counters as counters
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.scripts, pytest.mark.slow]
 
 BROADCAST = ["by value", "per-call put", "refshare first sight", "refshare repeat"]
 BATCH = [*BROADCAST, "deep, first sight"]

@@ -19,7 +19,7 @@ import pytest
 from test_benchmark_smoke import assert_wrote, table_after
 
 # Timed benchmarks: under REFSHARE_VERIFY=1 they would time verify; the step replays run there.
-pytestmark = [pytest.mark.slow, pytest.mark.verify_off]
+pytestmark = [pytest.mark.scripts, pytest.mark.slow, pytest.mark.verify_off]
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 STRATEGIES = ["by value", "ray.put", "top-level", "deep", "default"]
