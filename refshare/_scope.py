@@ -19,7 +19,7 @@ from ._admission import Admission, Splitting
 from ._cache import CacheEntry, PutLocks, RefCache, audit_cache, scope_budget
 from ._deep import Bundled, NotSplittable, Skeleton, Split, bundled_key, split
 from ._keys import Key, Keyed, Memo, identify
-from ._keys.leaves import small_array_digest
+from ._keys.leaves import small_array, small_array_digest
 from ._keys.pickler import learn_pickling, pickles_alike, pickling_classes, runs_own_pickling
 from ._keys.sizes import SCALARS, estimate_size, measure
 from ._keys.structure import StampedMemo, structure_stamp
@@ -368,8 +368,11 @@ class Scope:
         except Exception:
             logger.debug("cannot split %s; shared whole", type(value).__qualname__, exc_info=True)
             return None
-        if found is not None and not found.handles:
-            self.splits.keep(value, found)  # not one holding handles: they would live on
+        if found is not None and not found.handles:  # (handles kept would live on)
+            # Its small arrays were hashed by the split a moment ago: the stamp reuses that.
+            members = found.members
+            hashed = {id(m.stored): (m.stored, m.key) for m in members if small_array(m.stored)}
+            self.splits.keep(value, found, hashed=hashed)
         return found
 
     def key_member(self, member: Any, nbytes: int) -> Keyed | None:
@@ -480,15 +483,24 @@ class Scope:
         """:meth:`lookup` of many members' keys: those the scope does not hold looked up in
         the cache at once."""
         refs = [self.local.get(key) for key in keys]
-        in_call = [ref is not None for ref in refs]
+        in_call = sum(nbytes for ref, nbytes in zip(refs, sizes, strict=True) if ref is not None)
         missed = [i for i, ref in enumerate(refs) if ref is None]
         if missed and self.cache is not None:
             entries = self.cache.entries([keys[i] for i in missed])
             for i, entry in zip(missed, entries, strict=True):
                 refs[i] = self.kept(keys[i], entry)
-        for key, ref, nbytes, again in zip(keys, refs, sizes, in_call, strict=True):
-            if ref is not None:
-                self.hit(key, nbytes, again, member=True)
+        hits = [nbytes for ref, nbytes in zip(refs, sizes, strict=True) if ref is not None]
+        if hits:  # counted as one hit each, at once
+            repeated = sum(hits)
+            self.tally.add(
+                (_report.HITS, len(hits)),
+                (_report.BYTES_REPEATED, repeated),
+                (_report.BYTES_IN_CALL, in_call),
+                (_report.BYTES_MEMBERS, repeated),
+            )
+            if not self.audit:
+                _stats.record_hits(len(hits), repeated)
+            logger.debug("hit  %d members, %d bytes", len(hits), repeated)
         return refs
 
     def kept(self, key: Key, entry: CacheEntry | None) -> Any:

@@ -72,14 +72,14 @@ def enable_metrics(enabled: bool = True) -> None:
     ]
 
 
-def _add(index: int, nbytes_index: int | None = None, nbytes: int = 0) -> None:
+def _add(index: int, nbytes_index: int | None = None, nbytes: int = 0, count: int = 1) -> None:
     with _lock:
-        _counts[index] += 1
+        _counts[index] += count
         if nbytes_index is not None:
             _counts[nbytes_index] += nbytes
     metrics = _metrics
     if metrics is not None:
-        metrics[index].inc()
+        metrics[index].inc(count)
         if nbytes_index is not None and nbytes > 0:
             metrics[nbytes_index].inc(nbytes)
 
@@ -90,6 +90,12 @@ def record_put(nbytes: int) -> None:
 
 def record_hit(nbytes: int) -> None:
     _add(_HITS, _BYTES_SAVED, nbytes)
+
+
+def record_hits(count: int, nbytes: int) -> None:
+    """``count`` hits of ``nbytes`` in all (a split argument's members)."""
+    if count:
+        _add(_HITS, _BYTES_SAVED, nbytes, count)
 
 
 def record_eviction() -> None:

@@ -116,17 +116,23 @@ def _ndarray_digest(arr: Any, memo: Memo | None, reuse: bool) -> Key | None:
     return leaf_digest(arr, _digest_ndarray, memo, reuse)
 
 
-def small_array_digest(arr: Any) -> Key | None:
-    """The digest of an exact numpy array of fixed-size elements too small for a stamp to
-    vouch for (see ``vouches_for``), as keying it any other way gives it; ``None`` for any
-    other value. A shortcut for the many small members of a deep-shared argument: such an
-    array is hashed every time it is sent, so nothing is looked up or kept."""
+def small_array(arr: Any) -> bool:
+    """Whether ``arr`` is an exact numpy array of fixed-size elements too small for a stamp
+    to vouch for (see ``vouches_for``): it is hashed every time it is sent."""
     numpy = sys.modules.get("numpy")
-    if numpy is None or type(arr) is not numpy.ndarray:
-        return None
-    if arr.dtype.hasobject or vouches_for(arr.nbytes):
-        return None
-    return _digest_ndarray(arr)
+    return (
+        numpy is not None
+        and type(arr) is numpy.ndarray
+        and not arr.dtype.hasobject
+        and not vouches_for(arr.nbytes)
+    )
+
+
+def small_array_digest(arr: Any) -> Key | None:
+    """The digest of a :func:`small_array`, as keying it any other way gives it; ``None``
+    for any other value. A shortcut for the many small members of a deep-shared argument:
+    nothing is looked up or kept for it."""
+    return _digest_ndarray(arr) if small_array(arr) else None
 
 
 def _check_tensor(t: Any, with_state: bool = False) -> None:

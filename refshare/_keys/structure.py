@@ -52,10 +52,15 @@ def _walkable(cls: type) -> bool:
     return all(base.__flags__ & _HEAP_TYPE or base in _WALKED_BASES for base in cls.__mro__)
 
 
-class _Walk:
-    __slots__ = ("budget", "by_value", "classes", "held", "tokens")
+#: Digests of small arrays just taken, by id: ``id -> (array, digest)`` (see ``Split``).
+Hashed = dict[int, tuple[object, bytes]]
 
-    def __init__(self) -> None:
+
+class _Walk:
+    __slots__ = ("budget", "by_value", "classes", "hashed", "held", "tokens")
+
+    def __init__(self, hashed: Hashed | None = None) -> None:
+        self.hashed = hashed
         self.budget = STRUCTURE_VISIT_BUDGET
         #: What decides how each object pickles besides its state: the dispatch tables'
         #: entries (``pickling_epoch``), and each Python class's hooks, once per class.
@@ -81,7 +86,11 @@ class _Walk:
         if cls in _ATOMS:
             self.tokens.append(id(obj))
             return
-        digest = small_array_digest(obj)  # a small array: all of it, at once
+        entry = self.hashed.get(id(obj)) if self.hashed else None
+        if entry is not None and entry[0] is obj:
+            digest: bytes | None = entry[1]  # hashed a moment ago, by the same code
+        else:
+            digest = small_array_digest(obj)  # a small array: all of it, at once
         if digest is not None:
             self.tokens.append((id(obj), digest))
             return
@@ -179,7 +188,7 @@ class StructureStamp(NamedTuple):
     held: list[object]
 
 
-def structure_stamp(obj: object) -> StructureStamp | None:
+def structure_stamp(obj: object, hashed: Hashed | None = None) -> StructureStamp | None:
     """A stamp of everything reachable from ``obj``, or ``None`` if it cannot be had.
 
     The stamp lists each container's identity and length, each attribute's name, the
@@ -193,9 +202,11 @@ def structure_stamp(obj: object) -> StructureStamp | None:
     the value (a module global, a class attribute) is not in the stamp. A
     value the walk cannot vouch for gets no stamp: one larger than its budget, one holding
     a class or function that Ray sends as code, an object of a C type the walk cannot look
-    into, a large tensor without a version counter.
+    into, a large tensor without a version counter. ``hashed``: the digests of small
+    arrays of ``obj`` taken a moment before, by :func:`small_array_digest` (a split's), not
+    taken again.
     """
-    walk = _Walk()
+    walk = _Walk(hashed)
     try:
         walk.add(obj)
     except Exception:  # _TooLarge, RecursionError, or an object that refuses to be read
@@ -229,9 +240,15 @@ class StampedMemo:
     def clear(self) -> None:
         self.entries.clear()
 
-    def keep(self, value: object, result: Any, stamp: StructureStamp | None = None) -> None:
+    def keep(
+        self,
+        value: object,
+        result: Any,
+        stamp: StructureStamp | None = None,
+        hashed: Hashed | None = None,
+    ) -> None:
         """Keep ``result`` for ``value`` under its structure stamp (``stamp``, if the caller
-        took it already)."""
-        stamp = structure_stamp(value) if stamp is None else stamp
+        took it already; ``hashed``, see :func:`structure_stamp`)."""
+        stamp = structure_stamp(value, hashed) if stamp is None else stamp
         if stamp is not None:
             self.entries[id(value)] = _Kept(value, stamp, result)
