@@ -262,12 +262,19 @@ def main() -> None:
         steps = [rollouts[i] for i in (0, 0, 0, 1)]
 
         plain, plain_received = run_steps(group, steps)
-        refshare.patch_methods(  # as refshare.enable("nemo_rl") does
-            RayWorkerGroup, "run_all_workers_single_data", "run_all_workers_multiple_data",
-            "run_all_workers_sharded_data", "run_single_worker_single_data",
-        )  # fmt: skip
+        methods = ("run_all_workers_single_data", "run_all_workers_multiple_data",
+                   "run_all_workers_sharded_data", "run_single_worker_single_data")  # fmt: skip
+        # An audit first (keyed as sharing keys, sent by value), then on, as
+        # refshare.enable("nemo_rl", audit=True) and refshare.enable("nemo_rl") do.
+        refshare.patch_methods(RayWorkerGroup, *methods, audit=True)
+        _, audited_received = run_steps(group, steps)
+        refshare.unpatch_methods(RayWorkerGroup, *methods)
+        refshare.patch_methods(RayWorkerGroup, *methods)
         shared, shared_received = run_steps(group, steps)
-        assert shared_received == plain_received, "workers received different data"
+        assert shared_received == audited_received == plain_received, "workers received other data"
+        report = refshare.report()
+        would, saved = report.bytes_repeated(audit=True), report.bytes_repeated()
+        assert abs(would - saved) <= 0.05 * saved, report  # the audit foretold it
         # The two TP ranks of a DP rank got the same shards; the two DP ranks, different ones.
         assert plain_received[0] == plain_received[1] != plain_received[2] == plain_received[3]
 
@@ -286,6 +293,9 @@ def main() -> None:
         # the second batch on); the same data again: nothing.
         assert mib[1] == mib[2] == 0, mib
         assert mib[0] < plain_mib[0] and mib[3] < 0.7 * plain_mib[3], (mib, plain_mib)
+        print(f"the audit said sharing would not send {would / 2**20:.1f} MiB again;"
+              f" sharing did not send {saved / 2**20:.1f} MiB again")  # fmt: skip
+        print(report)
         print(refshare.stats())
     finally:
         ray.shutdown()

@@ -337,11 +337,20 @@ def main() -> None:
         steps.append((rollouts[0], True, True))
 
         plain, plain_received = run_steps(groups, steps)
-        refshare.patch_methods(RayActorGroup, "async_run_method_batch", "async_run_method")
+        methods = ("async_run_method_batch", "async_run_method")
+        # An audit first (keyed as sharing keys, sent by value), then on, as
+        # refshare.enable("openrlhf", audit=True) and refshare.enable("openrlhf") do.
+        refshare.patch_methods(RayActorGroup, *methods, audit=True)
+        _, audited_received = run_steps(groups, steps)
+        refshare.unpatch_methods(RayActorGroup, *methods)
+        refshare.patch_methods(RayActorGroup, *methods)
         shared, shared_received = run_steps(groups, steps)
-        assert shared_received == plain_received, "workers received different data"
-        writer = groups[1]._actor_handlers[0]  # wrote to its 2 micro-batches, in either run
-        assert ray.get(writer.write_in_place.remote(False)) == 4, "the worker did not write"
+        assert shared_received == audited_received == plain_received, "workers received other data"
+        report = refshare.report()
+        would, saved = report.bytes_repeated(audit=True), report.bytes_repeated()
+        assert abs(would - saved) <= 0.05 * saved, report  # the audit foretold it
+        writer = groups[1]._actor_handlers[0]  # wrote to its 2 micro-batches, in each run
+        assert ray.get(writer.write_in_place.remote(False)) == 6, "the worker did not write"
         # Everything logged before the write, and critic and reference after it: all as step 1.
         assert plain_received[4] == plain_received[0], "a write reached another group by value"
         assert shared_received[4] == shared_received[0], "a write reached another group"
@@ -375,6 +384,8 @@ def main() -> None:
         print("   adds 1 to the sequences it received: critic and reference receive them")
         print(f"   unchanged without refshare ({plain[4]['ray.put']} stored) and with it"
               f" ({shared[4]['puts']} stored, {shared[4]['hits']} hits)")  # fmt: skip
+        print(f"the audit said sharing would not send {would / (1 << 20):.1f} MiB again;"
+              f" sharing did not send {saved / (1 << 20):.1f} MiB again")  # fmt: skip
         print(refshare.stats())
     finally:
         ray.shutdown()

@@ -55,7 +55,12 @@ def main() -> None:
         group = WorkerGroup(size=4)
         batch = np.random.default_rng(0).random(64 * MiB // 8)  # 64 MiB of float64
         expected = [float(batch[:1000].sum())] * 4
-        warm_up(group, batch)
+        # Before turning it on, an audit: keyed as sharing would key it, sent by value.
+        refshare.shared_args(audit=True)(WorkerGroup.train)(group, batch)
+        warm_up(group, batch)  # its @shared_args call is sharing's first
+        report = refshare.report()
+        would, saved = report.bytes_repeated(audit=True), report.bytes_repeated()
+        assert abs(would - saved) <= 0.05 * saved, report  # the audit foretold it
 
         times: dict[str, list[float]] = {"by value": [], "@shared_args": []}
         calls = {"by value": group.train, "@shared_args": group.train_shared}
@@ -69,6 +74,8 @@ def main() -> None:
         print("64 MiB to 4 actors, median of 5 calls each, warm store:")
         print(f"  by value       {by_value:7.1f} ms")
         print(f"  @shared_args   {shared:7.1f} ms   ({by_value / shared:.1f}x faster)")
+        print(f"one call: the audit said sharing would not send {would / MiB:.0f} MiB again;")
+        print(f"          sharing did not send {saved / MiB:.0f} MiB again")
         print(refshare.stats())
     finally:
         ray.shutdown()

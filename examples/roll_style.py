@@ -711,13 +711,20 @@ def run(roll: Any, real: bool) -> dict[str, Any]:
     undo = counting()
     run_steps(roll, clusters, [make_batch(0, rows=8)])  # the workers' first calls, uncounted
     plain, plain_received = run_steps(roll, clusters, steps)
-    wrapped = refshare.enable("roll")
+    refshare.reset_report()
     try:
+        refshare.enable("roll", audit=True)  # an audit first: keyed as sharing keys, by value
+        _, audited_received = run_steps(roll, clusters, steps)
+        refshare.disable("roll")
+        wrapped = refshare.enable("roll")
         shared, shared_received = run_steps(roll, clusters, steps)
     finally:
         refshare.disable("roll")
         undo()
-    assert shared_received == plain_received, "workers received different data"
+    assert shared_received == audited_received == plain_received, "workers received other data"
+    report = refshare.report()
+    would, saved = report.bytes_repeated(audit=True), report.bytes_repeated()
+    assert abs(would - saved) <= 0.05 * saved, report  # the audit foretold it
     expected = roll.DataProto.from_dict(*make_batch(1))
     inject_trace_context(expected.meta_info)  # as the Cluster's method does
     chunks = [checksum(chunk) for chunk in expected.chunk(DP)]
@@ -725,6 +732,7 @@ def run(roll: Any, real: bool) -> dict[str, Any]:
         assert received == [[chunks[i // TP]] * len(steps) for i in range(DP * TP)], received
     return {
         "wrapped": wrapped,
+        "foretold": (would, saved),
         "plain": [(dict(row), pickled) for row, pickled in plain],
         "shared": [(dict(row), pickled) for row, pickled in shared],
         "received": plain_received,
@@ -824,6 +832,9 @@ def main() -> None:
         if os.environ.get("REFSHARE_VERIFY", "") != "1":
             assert [c for _, c in result["shared"]] == [[1] * DP, [0] * DP], result["shared"]
         assert [row.get("puts", 0) for row, _ in result["shared"]] == [DP, 0], result["shared"]
+        would, saved = result["foretold"]
+        print(f"the audit said sharing would not send {would / 2**20:.1f} MiB again;"
+              f" sharing did not send {saved / 2**20:.1f} MiB again")  # fmt: skip
         print(refshare.stats())
     finally:
         ray.shutdown()

@@ -500,9 +500,19 @@ def main() -> None:
         steps = [batches[i] for i in (0, 0, 0, 1)]
 
         plain = run_steps(groups, steps)
-        for target in skyrl_integration.FRAMEWORK.layouts[0]:  # what enable("skyrl") wraps
-            refshare.patch_methods(globals()[target.owner], *target.methods)
-        shared = run_steps(groups, steps)
+        # An audit first (keyed as sharing keys, sent by value), then on, as
+        # refshare.enable("skyrl", audit=True) and refshare.enable("skyrl") do.
+        targets = skyrl_integration.FRAMEWORK.layouts[0]  # what enable("skyrl") wraps
+        for audit in (True, False):
+            for target in targets:
+                refshare.patch_methods(globals()[target.owner], *target.methods, audit=audit)
+            shared = run_steps(groups, steps)
+            if audit:
+                for target in targets:
+                    refshare.unpatch_methods(globals()[target.owner], *target.methods)
+        report = refshare.report()
+        would, saved = report.bytes_repeated(audit=True), report.bytes_repeated()
+        assert abs(would - saved) <= 0.05 * saved, report  # the audit foretold it
 
         kind = "torch tensors" if torch is not None else "numpy arrays (no torch)"
         print(f"SkyRL 0.4.0 mirror, {kind}: one forward batch to critic (staged per mini-batch),")
@@ -524,6 +534,8 @@ def main() -> None:
         if not VERIFYING:
             assert [row[0]["puts"] for row in shared] == [6, 0, 0, 6], shared
             assert [set(row[1].values()) for row in shared] == [{1}, set(), set(), {1}], shared
+        print(f"the audit said sharing would not send {would / 2**20:.1f} MiB again;"
+              f" sharing did not send {saved / 2**20:.1f} MiB again")  # fmt: skip
         print(refshare.stats())
     finally:
         ray.shutdown()

@@ -216,16 +216,21 @@ def main() -> None:
             legacy = [legacy_batch(seed) for seed in (0, 0, 1)]
             flows["tensordict"] = (["1 new data", "2 same", "3 new data"], legacy, legacy_step)
 
-        undo, runs = counted_mirror(), {}
+        undo, runs, foretold = counted_mirror(), {}, {}
         for flow, (_, steps, step) in flows.items():
             plain, plain_sums = run_steps(mirror, workers, flow, steps, step)
-            refshare.patch_methods(mirror.RayWorkerGroup, "execute_all_async")  # as enable("verl")
-            refshare.patch_methods(mirror, "parallel_put")
-            shared, shared_sums = run_steps(mirror, workers, flow, steps, step)
-            refshare.unpatch_methods(mirror.RayWorkerGroup, "execute_all_async")
-            refshare.unpatch_methods(mirror, "parallel_put")
-            assert shared_sums == plain_sums, f"{flow}: workers received different data"
+            refshare.reset_report()
+            for audit in (True, False):  # an audit first: keyed as sharing keys, sent by value
+                refshare.patch_methods(mirror.RayWorkerGroup, "execute_all_async", audit=audit)
+                refshare.patch_methods(mirror, "parallel_put", audit=audit)  # as enable("verl")
+                shared, shared_sums = run_steps(mirror, workers, flow, steps, step)
+                refshare.unpatch_methods(mirror.RayWorkerGroup, "execute_all_async")
+                refshare.unpatch_methods(mirror, "parallel_put")
+                assert shared_sums == plain_sums, f"{flow}: workers received different data"
             runs[flow] = plain, shared, plain_sums
+            report = refshare.report()
+            foretold[flow] = report.bytes_repeated(audit=True), report.bytes_repeated()
+            assert abs(foretold[flow][0] - foretold[flow][1]) <= 0.05 * foretold[flow][1], report
             refshare.clear()
         undo()
 
@@ -249,6 +254,10 @@ def main() -> None:
                 assert new["bytes_put"] < old["bytes"], (new, old)
         else:
             print("\n(the legacy trainer's step needs tensordict: pip install tensordict)")
+
+        for flow, (would, saved) in foretold.items():
+            print(f"{flow}: the audit said sharing would not send {would / MiB:.1f} MiB again;"
+                  f" sharing did not send {saved / MiB:.1f} MiB again")  # fmt: skip
 
         verl = real_verl()
         if verl is not None:

@@ -66,6 +66,11 @@ class Report(NamedTuple):
         """The numbers, by site, to log or plot (``saved`` included)."""
         return {row.site: {**row._asdict(), "saved": row.saved} for row in self.rows}
 
+    def bytes_repeated(self, *, audit: bool = False) -> int:
+        """The bytes not sent again, over every call site sharing (``audit``: that an audit
+        says sharing would not send again): an audit's and a run's to compare."""
+        return sum(row.bytes_repeated for row in self.rows if row.audit == audit)
+
     def __str__(self) -> str:
         if not self.rows:
             return "refshare: no call site shared or audited anything"

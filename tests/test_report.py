@@ -97,6 +97,9 @@ def test_what_an_audit_would_save_is_what_sharing_saves(readers: list[Any], deep
     assert sharing.bytes_repeated == refshare.stats().bytes_saved > 0
     assert abs(audit.bytes_repeated - sharing.bytes_repeated) <= 0.05 * sharing.bytes_repeated
     assert audit.bytes_distinct == sharing.bytes_distinct == refshare.stats().bytes_put
+    report = refshare.report()  # the sums an example compares, by mode
+    assert report.bytes_repeated(audit=True) == audit.bytes_repeated
+    assert report.bytes_repeated() == sharing.bytes_repeated
 
 
 def test_evictions_are_counted_against_the_site_whose_put_made_room(

@@ -165,17 +165,11 @@ def by_value_bytes(values: Iterable[Any]) -> int:
 
 
 def example(name: str) -> ModuleType:
-    """``examples/<name>.py``, imported: the frameworks' dispatch code is mirrored there, once.
-    Ray sends its classes by value, as it would a script's, so workers need not import it."""
-    from ray import cloudpickle
-
-    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    cloudpickle.register_pickle_by_value(module)
-    return module
+    """``examples/<name>.py``, imported as a framework's installed package is: by reference,
+    here and in every worker (see :func:`examples_importable`), so that Ray pickles its
+    classes by name, as it pickles the framework's. Call it before Ray starts."""
+    examples_importable()
+    return importlib.import_module(name)
 
 
 def examples_importable() -> None:
