@@ -476,7 +476,9 @@ class Scope:
         if ref is None and self.cache is not None:
             ref = self.kept(key, self.cache.entry(key))
         if ref is not None:
-            self.hit(key, nbytes, in_call, member)
+            self.hit(1, nbytes, nbytes if in_call else 0, nbytes if member else 0)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("hit  %d bytes, key %s", nbytes, key.hex()[:12])
         return ref
 
     def lookup_many(self, keys: list[Key], sizes: list[int]) -> list[Any]:
@@ -490,17 +492,9 @@ class Scope:
             for i, entry in zip(missed, entries, strict=True):
                 refs[i] = self.kept(keys[i], entry)
         hits = [nbytes for ref, nbytes in zip(refs, sizes, strict=True) if ref is not None]
-        if hits:  # counted as one hit each, at once
-            repeated = sum(hits)
-            self.tally.add(
-                (_report.HITS, len(hits)),
-                (_report.BYTES_REPEATED, repeated),
-                (_report.BYTES_IN_CALL, in_call),
-                (_report.BYTES_MEMBERS, repeated),
-            )
-            if not self.audit:
-                _stats.record_hits(len(hits), repeated)
-            logger.debug("hit  %d members, %d bytes", len(hits), repeated)
+        if hits:  # counted at once
+            self.hit(len(hits), sum(hits), in_call, sum(hits))
+            logger.debug("hit  %d members, %d bytes", len(hits), sum(hits))
         return refs
 
     def kept(self, key: Key, entry: CacheEntry | None) -> Any:
@@ -511,18 +505,17 @@ class Scope:
         self.local[key] = entry.ref
         return entry.ref
 
-    def hit(self, key: Key, nbytes: int, in_call: bool, member: bool) -> None:
-        """Count a hit of ``nbytes`` (``in_call``: found in what this call sent)."""
+    def hit(self, count: int, nbytes: int, in_call: int, members: int) -> None:
+        """Count ``count`` hits of ``nbytes`` in all, ``in_call`` of them found in what this
+        call sent, ``members`` of them members of split values."""
         self.tally.add(
-            (_report.HITS, 1),
+            (_report.HITS, count),
             (_report.BYTES_REPEATED, nbytes),
-            (_report.BYTES_IN_CALL, nbytes if in_call else 0),
-            (_report.BYTES_MEMBERS, nbytes if member else 0),
+            (_report.BYTES_IN_CALL, in_call),
+            (_report.BYTES_MEMBERS, members),
         )
         if not self.audit:
-            _stats.record_hit(nbytes)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("hit  %d bytes, key %s", nbytes, key.hex()[:12])
+            _stats.record_hits(count, nbytes)
 
     def put(self, keyed: Keyed, fallback: Any) -> Any:
         """Put ``keyed.stored`` and keep its ref, in this scope and the cache."""

@@ -88,10 +88,6 @@ def record_put(nbytes: int) -> None:
     _add(_PUTS, _BYTES_PUT, nbytes)
 
 
-def record_hit(nbytes: int) -> None:
-    _add(_HITS, _BYTES_SAVED, nbytes)
-
-
 def record_hits(count: int, nbytes: int) -> None:
     """``count`` hits of ``nbytes`` in all (a split argument's members)."""
     if count:
