@@ -238,6 +238,25 @@ def test_chunks_of_a_batch_arrive_as_by_value(probes: list[Any], deep: Any) -> N
     assert_as_by_value(probes, make, deep)
 
 
+@ray.remote(num_cpus=0.05)
+def keys_named_in_meta_info(data: Any) -> list[str]:
+    """The batch's keys that are the very string objects ``meta_info`` holds."""
+    named = {id(s) for s in data.meta_info["keys"]}
+    return [key for key in data.batch.keys() if id(key) in named]  # noqa: SIM118 (rows)
+
+
+@pytest.mark.parametrize("deep", DEEP)
+def test_a_batch_shares_no_string_with_meta_info_as_by_value(deep: Any) -> None:
+    """By value the batch travels as ``torch.save``'s bytes, a pickle of its own: its keys
+    are strings of their own, even where ``meta_info`` names the very same objects."""
+    data = dataproto(TensorDict(tensors(), batch_size=[ROWS]))
+    data.meta_info["keys"] = list(data.batch.keys())
+    expected = ray.get(keys_named_in_meta_info.remote(data))
+    with refshare.sharing(min_bytes=1 << 10, deep=deep):
+        got = ray.get([keys_named_in_meta_info.remote(data) for _ in range(2)])
+    assert got == [expected, expected] == [[], []]
+
+
 def hook_setstate() -> None:
     """Wrap ``DataProto.__setstate__`` in this process, as a platform that post-processes
     each batch it loads would."""

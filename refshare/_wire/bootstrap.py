@@ -149,14 +149,41 @@ def rebuild_array(dtype: Any, shape: Any, order: Literal["C", "F"], data: Any) -
     return np.frombuffer(data, dtype=dtype).reshape(shape, order=order)
 
 
-def _as_unpickled(td: Any) -> Any:
-    """A ``TensorDict`` as unpickling it gives it: consolidated, one goes through its own
-    reduction (metadata and storage) and comes back rebuilt from them."""
-    import copyreg
+class _TensorsKept(pickle.Pickler):
+    """Pickles all but tensors and storages, which it keeps as they are."""
 
-    reduced: Any = copyreg.dispatch_table[type(td)](td)
-    rebuild, args = reduced
-    return rebuild(*args)
+    def __init__(self, stream: io.BytesIO, kept: list[Any]) -> None:
+        super().__init__(stream, protocol=pickle.HIGHEST_PROTOCOL)
+        self.kept = kept
+
+    def persistent_id(self, obj: Any) -> int | None:
+        import torch
+
+        if isinstance(obj, torch.Tensor | torch.UntypedStorage | torch.TypedStorage):
+            self.kept.append(obj)
+            return len(self.kept) - 1
+        return None
+
+
+class _TensorsPut(pickle.Unpickler):
+    def __init__(self, stream: io.BytesIO, kept: list[Any]) -> None:
+        super().__init__(stream)
+        self.kept = kept
+
+    def persistent_load(self, pid: int) -> Any:
+        return self.kept[pid]
+
+
+def _as_loaded(batch: Any) -> Any:
+    """``batch`` as ``torch.load`` gives it back, its tensors aside: all else (its keys,
+    names, metadata) new objects, shared with nothing outside it. By value a batch travels
+    as ``torch.save``'s bytes, a pickle of its own; rebuilt from a skeleton, its keys would
+    be the very strings that other parts of the skeleton name."""
+    stream = io.BytesIO()
+    kept: list[Any] = []
+    _TensorsKept(stream, kept).dump(batch)
+    stream.seek(0)
+    return _TensorsPut(stream, kept).load()
 
 
 def code_digest(hook: Any) -> bytes | None:
@@ -205,8 +232,7 @@ def rebuild_dataproto(
         saved = _saved(batch.contiguous().consolidate() if consolidate else batch)
         data.__setstate__((saved.getvalue(), non_tensor_batch, meta_info))
         return data
-    if consolidate:
-        batch = _as_unpickled(batch.contiguous().consolidate())
+    batch = _as_loaded(batch.contiguous().consolidate() if consolidate else batch)
     data.batch, data.non_tensor_batch, data.meta_info = batch, non_tensor_batch, meta_info
     return data
 
@@ -243,6 +269,7 @@ def rebuild_roll_dataproto(cls: Any, fields: Any, setstate: bytes | None = None)
         batch, *rest = (value for _, value in fields)
         data.__setstate__((_saved(batch), *rest))
         return data
-    for name, value in fields:
+    batch, *rest = (value for _, value in fields)
+    for (name, _), value in zip(fields, (_as_loaded(batch), *rest), strict=True):
         setattr(data, name, value)
     return data
