@@ -165,15 +165,6 @@ class _TensorsKept(pickle.Pickler):
         return None
 
 
-class _TensorsPut(pickle.Unpickler):
-    def __init__(self, stream: io.BytesIO, kept: list[Any]) -> None:
-        super().__init__(stream)
-        self.kept = kept
-
-    def persistent_load(self, pid: int) -> Any:
-        return self.kept[pid]
-
-
 def _as_loaded(batch: Any) -> Any:
     """``batch`` as ``torch.load`` gives it back, its tensors aside: all else (its keys,
     names, metadata) new objects, shared with nothing outside it. By value a batch travels
@@ -182,8 +173,7 @@ def _as_loaded(batch: Any) -> Any:
     stream = io.BytesIO()
     kept: list[Any] = []
     _TensorsKept(stream, kept).dump(batch)
-    stream.seek(0)
-    return _TensorsPut(stream, kept).load()
+    return _SkeletonUnpickler(stream.getvalue(), kept, [], []).load()
 
 
 def code_digest(hook: Any) -> bytes | None:
@@ -227,13 +217,13 @@ def rebuild_dataproto(
 
     tensors, batch_size, device, names = parts
     batch = TensorDict(tensors, batch_size=batch_size, device=device, names=names)
+    sent = batch.contiguous().consolidate() if consolidate else batch
     data = cls.__new__(cls)
     if not _runs_as_read(cls, setstate):
-        saved = _saved(batch.contiguous().consolidate() if consolidate else batch)
-        data.__setstate__((saved.getvalue(), non_tensor_batch, meta_info))
+        data.__setstate__((_saved(sent).getvalue(), non_tensor_batch, meta_info))
         return data
-    batch = _as_loaded(batch.contiguous().consolidate() if consolidate else batch)
-    data.batch, data.non_tensor_batch, data.meta_info = batch, non_tensor_batch, meta_info
+    data.batch = _as_loaded(sent)
+    data.non_tensor_batch, data.meta_info = non_tensor_batch, meta_info
     return data
 
 
@@ -265,11 +255,10 @@ def rebuild_roll_dataproto(cls: Any, fields: Any, setstate: bytes | None = None)
     code the driver read, it is run on the state ROLL's ``__getstate__`` sends (the batch
     ``torch.save``d first)."""
     data = cls.__new__(cls)
+    batch, *rest = (value for _, value in fields)
     if not _runs_as_read(cls, setstate):
-        batch, *rest = (value for _, value in fields)
         data.__setstate__((_saved(batch), *rest))
         return data
-    batch, *rest = (value for _, value in fields)
     for (name, _), value in zip(fields, (_as_loaded(batch), *rest), strict=True):
         setattr(data, name, value)
     return data
