@@ -134,6 +134,11 @@ class RefCache:
                 self._entries.move_to_end(key)
             return entry
 
+    def keeps(self, key: Hashable, ref: Any) -> bool:
+        """Whether the cache keeps ``ref`` itself under ``key`` (recency left as it is)."""
+        entry = self._entries.get(key)
+        return entry is not None and entry.ref is ref
+
     def entries(self, keys: Sequence[Hashable]) -> list[CacheEntry | None]:
         """:meth:`entry` of each of ``keys``, under one hold of the lock (a split
         argument's thousands of members)."""

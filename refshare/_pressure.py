@@ -7,6 +7,12 @@ would be and, past :data:`YIELD_FILL`, lets go of what it keeps: the scope's val
 then the cache's, least recently used first. It never makes Ray spill what the program
 holds, where by value would not have.
 
+Ray frees an object some milliseconds after its last reference goes, not at once: a put
+made right after letting go would find the store as full as before and make Ray spill. So
+after letting go, refshare reads the store again until what it let go of has left (the
+count has fallen and holds still), there is room, or :data:`SETTLE_AT_MOST` has passed:
+a wait paid only past the mark, where by value is close to spilling itself.
+
 How full the store is comes from Ray (see :func:`refshare._ray.session.local_store_used`):
 read at most every :data:`READ_EVERY` seconds while it is well below the mark (at most every
 :data:`READ_AT_MOST_EVERY` past :data:`NEAR_FILL`), and between readings estimated from what
@@ -21,16 +27,22 @@ import time
 from ._cache import local_store_bytes
 from ._ray.session import current_session, local_store_used
 
-#: Fill of the local object store past which refshare lets go of what it keeps: below the
-#: 80% at which Ray starts spilling.
-YIELD_FILL = 0.7
+#: Fill of the local object store past which refshare lets go of what it keeps, counted in
+#: the primary copies Ray must keep: well below the 80% at which Ray starts spilling, since
+#: the store also holds what processes still read (a worker's argument, mapped), which Ray
+#: can neither evict nor spill, and a put that does not fit makes it spill at once.
+YIELD_FILL = 0.6
 #: Seconds between readings of the store while puts go on and it is well below the mark.
 READ_EVERY = 0.25
 #: Seconds between readings at the least, near the mark: each reading asks the raylet.
 READ_AT_MOST_EVERY = 0.02
-#: Past this fill at the last reading, the store is near the mark: what the program puts
-#: between readings (refshare sees only its own puts) can cross it within :data:`READ_EVERY`.
+#: Past this fill, estimated, the store is near the mark: what the program puts between
+#: readings (refshare sees only its own puts) can cross it within :data:`READ_EVERY`.
 NEAR_FILL = 0.4
+#: Seconds refshare waits at most, after letting go, for Ray to free what it let go of.
+SETTLE_AT_MOST = 0.25
+#: Seconds between readings while it waits.
+SETTLE_EVERY = 0.005
 
 
 class StoreGauge:
@@ -59,7 +71,7 @@ class StoreGauge:
                 self._session, self._read_at, self._used, self._since = session, -1.0, 0, 0
             estimate = self._used + self._since + nbytes
             since_read = now - self._read_at
-            near = estimate > limit or self._used > store * NEAR_FILL
+            near = estimate > store * NEAR_FILL
             if since_read > READ_EVERY or (near and since_read > READ_AT_MOST_EVERY):
                 used = local_store_used()
                 if used is not None:
@@ -67,15 +79,36 @@ class StoreGauge:
                     estimate = used + nbytes
             return max(0, estimate - limit)
 
+    def settle(self, nbytes: int) -> int:
+        """Read the store until what refshare just let go of has left it: the count has
+        fallen below the last reading and held still for two readings, or ``nbytes`` more
+        fit below :data:`YIELD_FILL`, or :data:`SETTLE_AT_MOST` has passed. Return by how
+        many bytes the store would then pass the mark (see :meth:`over`)."""
+        store = local_store_bytes()
+        if not store:
+            return 0
+        limit = int(store * YIELD_FILL)
+        with self._lock:
+            before = self._used + self._since
+        deadline = time.monotonic() + SETTLE_AT_MOST
+        readings: list[int] = []
+        while True:
+            used = local_store_used()
+            if used is None:
+                return 0
+            readings.append(used)
+            fallen = used < before and readings[-3:] == [used] * 3
+            if used + nbytes <= limit or fallen or time.monotonic() >= deadline:
+                break
+            time.sleep(SETTLE_EVERY)
+        with self._lock:
+            self._used, self._since, self._read_at = used, 0, time.monotonic()
+        return max(0, used + nbytes - limit)
+
     def added(self, nbytes: int) -> None:
         """Count ``nbytes`` refshare just put, until the next reading."""
         with self._lock:
             self._since += nbytes
-
-    def read_again(self) -> None:
-        """Read the store at the next :meth:`over`: refshare has just let go of objects."""
-        with self._lock:
-            self._read_at, self._since = -1.0, 0
 
 
 gauge = StoreGauge()

@@ -566,14 +566,15 @@ class Scope:
 
     def make_room(self, nbytes: int) -> None:
         """Let go of what this scope keeps, then of the cache's least recently used, until
-        ``nbytes`` more fit below the fill refshare yields at, or it keeps nothing more."""
-        held = self.held
+        ``nbytes`` more fit below the fill refshare yields at, or it keeps nothing more;
+        each time it let go of an object, wait for Ray to free it (see ``_pressure``)."""
+        held, cache = self.held, self.cache
+        frees = any(cache is None or not cache.keeps(k, ref) for k, ref in self.local.items())
         self.forget()
-        gauge.read_again()
-        over = gauge.over(nbytes)
-        freed = self.cache.shrink(over) if over and self.cache is not None else 0
+        over = gauge.settle(nbytes) if frees else gauge.over(nbytes)
+        freed = cache.shrink(over) if over and cache is not None else 0
         if freed:
-            gauge.read_again()
+            gauge.settle(nbytes)
         logger.debug(
             "the object store is filling: let go of %d bytes kept by the scope, %d by the cache",
             held,
