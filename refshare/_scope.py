@@ -568,8 +568,7 @@ class Scope:
         """Let go of what this scope keeps, then of the cache's least recently used, until
         ``nbytes`` more fit below the fill refshare yields at, or it keeps nothing more;
         each time it let go of an object, wait for Ray to free it (see ``_pressure``)."""
-        held, cache = self.held, self.cache
-        frees = any(cache is None or not cache.keeps(k, ref) for k, ref in self.local.items())
+        held, cache, frees = self.held, self.cache, self.keeps_alone()
         self.forget()
         over = gauge.settle(nbytes) if frees else gauge.over(nbytes)
         freed = cache.shrink(over) if over and cache is not None else 0
@@ -580,6 +579,12 @@ class Scope:
             held,
             freed,
         )
+
+    def keeps_alone(self) -> bool:
+        """Whether this scope keeps a ref the cache does not: forgetting it frees an object."""
+        cache = self.cache
+        kept = tuple(self.local.items())  # taken at once: other threads may be sending
+        return any(cache is None or not cache.keeps(key, ref) for key, ref in kept)
 
     def hold(self, ref: Any, nbytes: int) -> None:
         """Count what keeping ``ref`` keeps alive: a place in a bundle, the whole bundle,
