@@ -14,11 +14,10 @@ count has fallen and holds still), there is room, or :data:`SETTLE_AT_MOST` has 
 a wait paid only past the mark, where by value is close to spilling itself.
 
 How full the store is comes from Ray (see :func:`refshare._ray.session.local_store_used`,
-a call to the raylet of a few milliseconds), and between readings is estimated from what
-refshare put since. Puts do not wait for a reading: it runs in a thread of its own, at most
-every :data:`READ_EVERY` seconds, or every :data:`READ_AT_MOST_EVERY` past
-:data:`NEAR_FILL`. Only a put that would pass the mark by the estimate (and a session's
-first put) reads the store first, to know whether to let go.
+a call to the raylet of a few milliseconds). Well below the mark it is read at most every
+:data:`READ_EVERY` seconds, in a thread of its own, so that puts do not wait for it; past
+:data:`NEAR_FILL` (and at a session's first put) before the put, at most every
+:data:`READ_AT_MOST_EVERY`. Between readings it is estimated from what refshare put since.
 """
 
 from __future__ import annotations
@@ -75,13 +74,12 @@ class StoreGauge:
             estimate = self._used + self._since + nbytes
             since_read = now - self._read_at
             first = self._read_at < 0
-            due = READ_AT_MOST_EVERY if estimate > store * NEAR_FILL else READ_EVERY
-            if first or (estimate > limit and since_read > READ_AT_MOST_EVERY):
+            if first or (estimate > store * NEAR_FILL and since_read > READ_AT_MOST_EVERY):
                 used = local_store_used()
                 if used is not None:
                     self._used, self._since, self._read_at = used, 0, now
                     estimate = used + nbytes
-            elif since_read > due and not self._reading:
+            elif since_read > READ_EVERY and not self._reading:
                 self._reading, self._read_at = True, now
                 reading = threading.Thread(
                     target=self._read, args=(session, self._since), name="refshare-gauge"
