@@ -215,35 +215,3 @@ def test_a_loop_whose_program_holds_a_third_of_the_store_spills_no_more_than_by_
         shared = loop()
     assert shared == by_value
     assert spilled_mib() == before
-
-
-def test_well_below_the_mark_puts_do_not_wait_for_the_stores_reading(
-    group: list[Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each reading of the store is a call to the raylet: well below the mark it runs in a
-    thread of its own, and the caller's puts go on with the estimate."""
-    import threading
-    import time
-
-    from refshare import _pressure
-
-    readers: list[bool] = []
-    read = _pressure.local_store_used
-
-    def recorded() -> int | None:
-        readers.append(threading.current_thread() is threading.main_thread())
-        return read()
-
-    monkeypatch.setattr(_pressure, "local_store_used", recorded)
-
-    @refshare.shared_args
-    def send(data: Any) -> list[Any]:
-        return ray.get([w.apply.remote(summary, data) for w in group], timeout=60)
-
-    for marker in range(24):  # 1.2 s of puts: about 4 readings
-        data = marked(900 + marker, MiB)
-        assert send(data) == [summary(data)] * 2
-        time.sleep(0.05)
-    time.sleep(0.1)
-    assert readers.count(False) >= 2, readers
-    assert readers.count(True) <= 1, readers  # a session's first put reads before it puts
