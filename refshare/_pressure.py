@@ -13,11 +13,10 @@ after letting go, refshare reads the store again until what it let go of has lef
 count has fallen and holds still), there is room, or :data:`SETTLE_AT_MOST` has passed:
 a wait paid only past the mark, where by value is close to spilling itself.
 
-How full the store is comes from Ray (see :func:`refshare._ray.session.local_store_used`,
-a call to the raylet of a few milliseconds). Well below the mark it is read at most every
-:data:`READ_EVERY` seconds, in a thread of its own, so that puts do not wait for it; past
-:data:`NEAR_FILL` (and at a session's first put) before the put, at most every
-:data:`READ_AT_MOST_EVERY`. Between readings it is estimated from what refshare put since.
+How full the store is comes from Ray (see :func:`refshare._ray.session.local_store_used`):
+read at most every :data:`READ_EVERY` seconds while it is well below the mark (at most every
+:data:`READ_AT_MOST_EVERY` past :data:`NEAR_FILL`), and between readings estimated from what
+refshare put since.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ SETTLE_EVERY = 0.005
 class StoreGauge:
     """How full the local object store is, read from Ray now and then, estimated between."""
 
-    __slots__ = ("_lock", "_read_at", "_reading", "_session", "_since", "_used")
+    __slots__ = ("_lock", "_read_at", "_session", "_since", "_used")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -57,7 +56,6 @@ class StoreGauge:
         self._read_at = -1.0
         self._used = 0  #: bytes the store held at the last reading
         self._since = 0  #: bytes refshare put since
-        self._reading = False  #: whether a reading runs in the background
 
     def over(self, nbytes: int) -> int:
         """By how many bytes the local store would pass :data:`YIELD_FILL` with ``nbytes``
@@ -73,29 +71,13 @@ class StoreGauge:
                 self._session, self._read_at, self._used, self._since = session, -1.0, 0, 0
             estimate = self._used + self._since + nbytes
             since_read = now - self._read_at
-            first = self._read_at < 0
-            if first or (estimate > store * NEAR_FILL and since_read > READ_AT_MOST_EVERY):
+            near = estimate > store * NEAR_FILL
+            if since_read > READ_EVERY or (near and since_read > READ_AT_MOST_EVERY):
                 used = local_store_used()
                 if used is not None:
                     self._used, self._since, self._read_at = used, 0, now
                     estimate = used + nbytes
-            elif since_read > READ_EVERY and not self._reading:
-                self._reading, self._read_at = True, now
-                reading = threading.Thread(
-                    target=self._read, args=(session, self._since), name="refshare-gauge"
-                )
-                reading.daemon = True
-                reading.start()
             return max(0, estimate - limit)
-
-    def _read(self, session: object, since: int) -> None:
-        """A reading in the background: what refshare put before it began is in it."""
-        used = local_store_used()
-        with self._lock:
-            self._reading = False
-            if used is not None and session == self._session:
-                self._used, self._since = used, max(0, self._since - since)
-                self._read_at = time.monotonic()
 
     def settle(self, nbytes: int) -> int:
         """Read the store until what refshare just let go of has left it: the count has
