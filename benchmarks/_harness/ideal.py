@@ -1,9 +1,13 @@
-"""The ideal: a step whose every large argument a perfect memoizer has put once before the
-turn, its ref known, so that the turn only hands Ray refs.
+"""The ideal: a step whose every large argument a perfect memoizer puts once, the first time
+the step sends it, and whose repeats it knows in advance, so that the turn does nothing but
+one ``ray.put`` per distinct content and hand Ray refs.
 
 What it measures is a floor, not a strategy anyone can run: the step's dispatch, the
-framework's own work (chunking, gathering) and the workers' fetch from the store, with no
-keying, no splitting, no put and no serialization of a large argument on the driver.
+framework's own work (chunking, gathering), one put of each distinct large argument (what
+any memoizer must pay: Ray's serialization and copy into the store, once) and the workers'
+fetch from the store, with no keying, no splitting, no bookkeeping and no serialization of a
+repeat. The seconds its puts take are kept apart (``Swap.put_seconds``): the turn less them
+is the floor of a memoizer whose puts were made before the step.
 
 How: an untimed pass of the step (the *record*, on an equal copy of the step's batch) runs
 the framework as plain does, with Ray's submit path, ``ray.put`` and thread-pool submission
@@ -11,11 +15,12 @@ wrapped. It notes where the step sends each value: the name of the actor method,
 function or ``ray.put``, and how many of that name its context sent before, inside the
 thread-pool task it runs in (``parallel_put``'s threads put in any order, but are submitted
 in order). Every task argument Ray would store (above its 100 KiB inline limit) and every
-value put is timed through Ray's own serializer (what plain spends serializing it), then
-put: each distinct content once, equal content as ``refshare.fingerprint`` keys it (by
-identity where it cannot key it). In the ideal's turn the same wrappers swap in those refs,
-one dict lookup per submission. Every worker's checksums are compared with plain's as for
-every strategy: that check is what shows the swapped refs carry the step's own data.
+value put is timed through Ray's own serializer (what plain spends serializing it), and
+numbered by its content: equal content as ``refshare.fingerprint`` keys it (by identity
+where it cannot key it). In the ideal's turn the same wrappers put a content the first time
+the turn sends it (its own copy of the batch's value) and swap in that ref at every later
+place, one dict lookup per submission. Every worker's checksums are compared with plain's
+as for every strategy: that check is what shows the swapped refs carry the step's own data.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class Pass(Protocol):
 
 class Record:
     """The untimed pass: each large argument and put value serialized as Ray would (timed),
-    and put, each distinct content once, by where the step sends it.
+    and numbered by its content, by where the step sends it.
 
     ``calling`` names the call each value was sent in (the bytes put count per call)."""
 
@@ -73,9 +78,9 @@ class Record:
 
         self.fingerprint, self.calling = refshare.fingerprint, calling
         self.context = ray._private.worker.global_worker.get_serialization_context()
-        self.refs: dict[Where, list[tuple[int | str, Any]]] = {}  # a task's arguments' refs
-        self.puts: dict[Where, Any] = {}
-        self.by_content: dict[Any, Any] = {}
+        self.contents: dict[Where, list[tuple[int | str, int]]] = {}  # a task's large arguments
+        self.puts: dict[Where, int] = {}
+        self.by_content: dict[Any, int] = {}  # content key -> its number
         self.kept: list[Any] = []  # what is keyed by identity, alive while it is
         self.serialize_seconds = 0.0
         self.stored_calls: dict[str, int] = {}  # bytes put, by the call that first sent them
@@ -83,22 +88,22 @@ class Record:
 
     def submit(self, where: Where, args: Any, kwargs: Any) -> tuple[Any, Any]:
         sent = [*enumerate(args or ()), *(kwargs or {}).items()]
-        refs = [(at, ref) for at, value in sent if (ref := self.ref(value)) is not None]
-        if refs:
-            self.refs[where] = refs
+        contents = [(at, c) for at, value in sent if (c := self.ref(value)) is not None]
+        if contents:
+            self.contents[where] = contents
         return args, kwargs  # by value, as plain
 
     def put(self, where: Where, value: Any) -> Any:
-        ref = self.ref(value)
-        if ref is not None:
-            self.puts[where] = ref
-        return ref
+        content = self.ref(value)
+        if content is not None:
+            self.puts[where] = content
+        return None  # Ray's own put, as plain
 
-    def ref(self, value: Any) -> Any:
-        """The ref of ``value``'s content, put now if new; ``None`` for what Ray does not
-        store (inline-sized values, refs, handles). What this does is not the step's: its
-        own thread-pool tasks (``fingerprint`` hashes large buffers in a pool) are not
-        counted among the step's sends."""
+    def ref(self, value: Any) -> int | None:
+        """The number of ``value``'s content; ``None`` for what Ray does not store
+        (inline-sized values, refs, handles). What this does is not the step's: its own
+        thread-pool tasks (``fingerprint`` hashes large buffers in a pool) are not counted
+        among the step's sends."""
         if isinstance(value, _NOT_STORED):
             return None
         token = _position.set(None)
@@ -107,7 +112,7 @@ class Record:
         finally:
             _position.reset(token)
 
-    def _ref(self, value: Any) -> Any:
+    def _ref(self, value: Any) -> int | None:
         start = time.perf_counter()
         nbytes = self.context.serialize(value).total_bytes
         seconds = time.perf_counter() - start
@@ -119,45 +124,58 @@ class Record:
         if key is None:
             key = ("id", id(value))
             self.kept.append(value)
-        ref = self.by_content.get(key)
-        if ref is None:
-            ref = self.by_content[key] = _original_put(value)
+        content = self.by_content.get(key)
+        if content is None:
+            content = self.by_content[key] = len(self.by_content)
             call = self.calling()
             self.stored_calls[call] = self.stored_calls.get(call, 0) + nbytes
-        return ref
+        return content
 
 
 class Swap:
-    """The ideal's turn: the refs its record put, swapped in by where the step sends them."""
+    """The ideal's turn: each content its record numbered put the first time the turn sends
+    it, and its ref swapped in wherever the step sends it."""
 
     def __init__(self, record: Record) -> None:
-        self.refs, self.puts = record.refs, record.puts
+        self.contents, self.puts = record.contents, record.puts
+        self.refs: dict[int, Any] = {}  # content number -> the ref this turn put
         self.swapped = 0
+        self.put_seconds = 0.0
+
+    def _ref(self, content: int, value: Any) -> Any:
+        ref = self.refs.get(content)
+        if ref is None:
+            start = time.perf_counter()
+            ref = self.refs[content] = _original_put(value)
+            self.put_seconds += time.perf_counter() - start
+        return ref
 
     def submit(self, where: Where, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        refs = self.refs.get(where)
-        if refs is None:
+        contents = self.contents.get(where)
+        if contents is None:
             return args, kwargs
         args, kwargs = list(args or ()), dict(kwargs or {})
-        for at, ref in refs:
+        for at, content in contents:
             if isinstance(at, int):
-                args[at] = ref
+                args[at] = self._ref(content, args[at])
             else:
-                kwargs[at] = ref
+                kwargs[at] = self._ref(content, kwargs[at])
         self.swapped += 1
         return args, kwargs
 
     def put(self, where: Where, value: Any) -> Any:
-        ref = self.puts.get(where)
-        self.swapped += ref is not None
-        return ref
+        content = self.puts.get(where)
+        if content is None:
+            return None
+        self.swapped += 1
+        return self._ref(content, value)
 
     def check(self) -> None:
         """Raise unless the turn sent from every place its record did."""
-        if self.swapped != len(self.refs) + len(self.puts):
+        if self.swapped != len(self.contents) + len(self.puts):
             raise RuntimeError(
                 f"the ideal's turn swapped {self.swapped} submissions and puts, its record "
-                f"had {len(self.refs) + len(self.puts)}: the step sent otherwise"
+                f"had {len(self.contents) + len(self.puts)}: the step sent otherwise"
             )
 
 

@@ -155,7 +155,7 @@ def step_report(
         f"{distinct / MiB:.1f} MiB. Stored: plain, what Ray stores by value plus the "
         "framework's own puts (each argument's `pickle.dumps(..., protocol=5)` size, once per "
         "`.remote()` or put), and so the audit's; the ideal, Ray's serialized size of each "
-        "distinct argument it put before its turn; the others, the `refshare.stats().bytes_put` "
+        "distinct argument it put; the others, the `refshare.stats().bytes_put` "
         "of the step. puts / hits / by value: refshare's counts in the last timed step (the "
         "audit's, from its report, what sharing would have done; the ideal's, its distinct "
         "arguments and the repeats it swapped in).",
@@ -200,17 +200,21 @@ def ideal_and_audit(summary: dict[str, Any], labels: dict[str, str]) -> list[str
         "",
         *table(["call", "ideal", "default", "default ÷ ideal"], rows),
         "",
-        "The ideal is a floor, not a strategy: before its turn an untimed record of the step "
-        "(an equal copy of its batch, the framework as plain runs it) put every argument Ray "
-        "would store (over 100 KiB) and every value the framework puts, each distinct content "
-        "once (equal as `refshare.fingerprint` keys it); its turn hands Ray those refs by "
-        "where the step sends each (one dict lookup per `.remote()` or `ray.put`), with no "
-        "keying, splitting, put or serialization of a large argument. Its workers' checksums "
-        "are compared with plain's as every strategy's are. The default must still put the "
-        "step's new content, which the ideal did before its turn; but the ideal stores each "
-        "argument whole, as Ray pickles it (a tensor through torch's pickling), so its "
-        "workers unpickle what plain's do, where refshare's stored forms (a tensor's bytes, "
-        "members split out) can make a call cheaper for the workers than the ideal's.",
+        f"Of the ideal's step, its puts: {summary['ideal_puts_ms']:.1f} ms (median); the "
+        f"default against the ideal less its puts (puts made before the step): "
+        f"{summary['default_to_ideal_unput']:.2f}{TIMES}.",
+        "",
+        "The ideal is a floor, not a strategy: an untimed record of the step right before its "
+        "turn (an equal copy of its batch, the framework as plain runs it) numbers every "
+        "argument Ray would store (over 100 KiB) and every value the framework puts by its "
+        "content (equal as `refshare.fingerprint` keys it); in its turn each content is put "
+        "once, the first time the step sends it, and its ref handed to Ray wherever the step "
+        "sends it (one dict lookup per `.remote()` or `ray.put`): one put of each distinct "
+        "content, what any memoizer pays, and no keying, splitting or bookkeeping. Its "
+        "workers' checksums are compared with plain's as every strategy's are. The ideal "
+        "stores each argument whole, as Ray pickles it (a tensor through torch's pickling), so "
+        "its workers unpickle what plain's do, where refshare's stored forms (a tensor's "
+        "bytes, members split out) can make a call cheaper for the workers than the ideal's.",
         "",
         "The audit (`audit=True`, refshare's default mode otherwise), against the targets:",
         "",

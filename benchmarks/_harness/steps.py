@@ -69,7 +69,11 @@ class Sharing:
 
     Each strategy gets a ``RefCache`` of its own, kept from turn to turn: sharing one,
     a strategy would find what another's turn of the same step stored (equal content is
-    keyed alike in every mode), and they would count each other's misses.
+    keyed alike in every mode), and they would count each other's misses. The strategies
+    that share split the default cache's budget (a quarter of the store) between them, so
+    that together they fill the store as one program's cache would: each with a whole
+    quarter, their caches alone would pass the mark where refshare lets go (see
+    ``refshare._pressure``), and the replay would time a store no single program has.
     """
 
     def __init__(self, targets: Sequence[tuple[Any, Sequence[str]]], framework: str = "") -> None:
@@ -120,6 +124,7 @@ class Sharing:
                 turn = Turn(strategy)
                 yield turn
             swap.check()
+            turn.put_seconds = swap.put_seconds
             for call, nbytes in record.stored_calls.items():
                 turn.store(call, nbytes)
             distinct = len(record.by_content)
@@ -130,7 +135,11 @@ class Sharing:
 
     @contextlib.contextmanager
     def _refshare_on(self, strategy: str) -> Iterator[None]:
-        cache = self.caches.setdefault(strategy, self.refshare.RefCache())
+        cache = self.caches.get(strategy)
+        if cache is None:
+            sharing = [s for s in OPTIONS if not OPTIONS[s].get("audit")]
+            budget = self.refshare.RefCache().max_bytes // len(sharing)
+            cache = self.caches[strategy] = self.refshare.RefCache(max_bytes=budget)
         options = {"cache": cache, **OPTIONS[strategy]}
         if self.framework:
             self.refshare.enable(self.framework, **options)
@@ -195,6 +204,7 @@ class Turn:
         self.counts: dict[str, dict[str, int]] = {}
         self.reported: dict[str, int] = {}  # refshare's report of the turn (the ideal's own)
         self.serialized = 0.0  # the record's: Ray serializing the step's large arguments
+        self.put_seconds = 0.0  # the ideal's: its puts of the step's distinct contents
         self.calling = "step"  # the call running now
         self.stored = 0  # bytes the driver stored in the step
         self.stored_calls: dict[str, int] = {}  # the same, per call
@@ -232,7 +242,8 @@ class Turn:
         self.stored += nbytes
 
     def record(self) -> dict[str, Any]:
-        keys = ("seconds", "counts", "reported", "serialized", "stored", "stored_calls", "distinct")
+        keys = ("seconds", "counts", "reported", "serialized", "put_seconds", "stored",
+                "stored_calls", "distinct")  # fmt: skip
         return {k: getattr(self, k) for k in keys}
 
 
@@ -301,18 +312,29 @@ def summarize(
         "counts_last_step": {s: steps[-1]["turns"][s]["counts"] for s in strategies},
         "reported_last_step": {s: steps[-1]["turns"][s]["reported"] for s in strategies},
         "load_during": [t["load"] for t in steps],
-        **(against_ideal(times) | audited(steps) if {AUDIT, IDEAL} <= set(strategies) else {}),
+        **(
+            against_ideal(times, steps) | audited(steps)
+            if {AUDIT, IDEAL} <= set(strategies)
+            else {}
+        ),
     }
 
 
-def against_ideal(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+def against_ideal(
+    times: dict[str, dict[str, list[float]]], steps: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The default against the ideal: the ratio of medians per call and step, and the
-    quartiles of each step's own ratio."""
+    quartiles of each step's own ratio; and the step against the ideal less its puts (the
+    floor of a memoizer whose puts were made before the step)."""
     default, floor = times[AUTO], times[IDEAL]
     paired = {c: [a / b for a, b in zip(v, floor[c], strict=True)] for c, v in default.items()}
+    puts = [t["turns"][IDEAL]["put_seconds"] for t in steps]
+    unput = [a - b for a, b in zip(floor["step"], puts, strict=True)]
     return {
         "default_to_ideal": {c: median(v) / median(floor[c]) for c, v in default.items()},
         "default_to_ideal_quartiles": {c: quartiles(v) for c, v in paired.items()},
+        "ideal_puts_ms": median(puts) * 1e3,
+        "default_to_ideal_unput": median(default["step"]) / median(unput),
     }
 
 
