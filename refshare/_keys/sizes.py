@@ -90,11 +90,10 @@ def _leaf_size(obj: object) -> int | None:
     return None if found < 0 else found
 
 
-def _arrays_nbytes(items: Any) -> int | None:
+def _arrays_nbytes(items: Any, ndarray: Any) -> int | None:
     """The bytes of the items of a container, all numeric numpy arrays (shards, a batch's
     columns), in one tight loop, as the walk would count them; ``None`` as soon as one is
-    anything else."""
-    ndarray: Any = plain_ndarray()
+    anything else, or without numpy (``ndarray``: :func:`plain_ndarray`)."""
     if ndarray is None:
         return None
     total = 0
@@ -133,7 +132,7 @@ def slot_names(cls: type) -> tuple[str, ...]:
 class _Sizing:
     """One walk over an argument's members, with a visit budget and cycle guard."""
 
-    __slots__ = ("budget", "limit", "seen", "stopped", "total")
+    __slots__ = ("budget", "limit", "ndarray", "seen", "stopped", "total")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -141,6 +140,7 @@ class _Sizing:
         self.total = 0
         self.budget = SIZE_VISIT_BUDGET
         self.seen: set[int] | None = None  # made on the first container
+        self.ndarray: Any = False  # plain_ndarray(), looked up on the first container
 
     def add(self, obj: object) -> None:
         self.budget -= 1
@@ -155,7 +155,10 @@ class _Sizing:
         self.seen.add(id(obj))
         if isinstance(obj, (dict, list, tuple, set, frozenset)):
             items = obj.values() if isinstance(obj, dict) else obj
-            arrays = _arrays_nbytes(items) if 0 < len(obj) <= self.budget else None
+            if self.ndarray is False:
+                self.ndarray = plain_ndarray()
+            fits = 0 < len(obj) <= self.budget
+            arrays = _arrays_nbytes(items, self.ndarray) if fits else None
             if arrays is None:
                 self.add_members(items, len(obj))
             else:
@@ -189,7 +192,17 @@ class _Sizing:
             if self.budget <= 0 or visited >= sample:
                 self.total += (self.total - start) * (count - visited) // max(visited, 1)
                 return
-            self.add(item)
+            # The scalars and strings a batch's metadata holds by the thousand, counted
+            # here as _leaf_size counts them, without a call each.
+            cls = type(item)
+            if cls in SCALARS:
+                self.budget -= 1
+                self.total += SCALAR_BYTES
+            elif cls is str or cls is bytes:
+                self.budget -= 1
+                self.total += len(item)
+            else:
+                self.add(item)
 
 
 def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
