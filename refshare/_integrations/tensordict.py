@@ -15,7 +15,7 @@ import copyreg
 from typing import Any
 
 from .._deep import deep_reducers
-from .._keys.sizes import estimate_size, sizes, tensor_nbytes
+from .._keys.sizes import CONTAINER_SAMPLE, measure, sizes, tensor_nbytes
 from .._wire import bootstrap
 from .._wire.tensors import element_bytes
 
@@ -28,12 +28,14 @@ def _consolidated(td: Any) -> dict[str, Any] | None:
 
 @sizes.registers_lazy("tensordict._td", "TensorDict")
 def tensordict_size(td: Any) -> int:
-    """A consolidated ``TensorDict`` sends one storage (its leaves are views of it); any
-    other is sized by walking its members."""
+    """A consolidated ``TensorDict`` sends one storage (its leaves are views of it) and its
+    metadata, sized from a sample of each container's members (a non-tensor entry holds a
+    small value per row, by the hundred); any other is sized by walking its members."""
     consolidated = _consolidated(td)
     if consolidated is None:
         return -1
-    return tensor_nbytes(consolidated["storage"]) + estimate_size(consolidated["metadata"])
+    metadata, _ = measure(consolidated["metadata"], sample=CONTAINER_SAMPLE)
+    return tensor_nbytes(consolidated["storage"]) + metadata
 
 
 def _leaf_ranges(metadata: dict[str, Any]) -> list[tuple[int, int]]:

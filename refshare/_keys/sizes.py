@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from itertools import islice
 from typing import Any
 
 from .._dispatch import TypeTable
@@ -20,6 +21,8 @@ SizeFn = Callable[[Any], int]
 SIZE_VISIT_BUDGET = 10_000
 #: How many elements of an array of Python objects are visited to size it.
 OBJECT_ARRAY_SAMPLE = 32
+#: How many members of each container a sampled estimate visits (see :func:`measure`).
+CONTAINER_SAMPLE = 16
 #: What one scalar (int, float, ...) is taken to weigh.
 SCALAR_BYTES = 8
 #: Values too small to share, whatever their number: sized, stamped and sent as they are.
@@ -132,10 +135,11 @@ def slot_names(cls: type) -> tuple[str, ...]:
 class _Sizing:
     """One walk over an argument's members, with a visit budget and cycle guard."""
 
-    __slots__ = ("budget", "limit", "ndarray", "seen", "stopped", "total")
+    __slots__ = ("budget", "limit", "ndarray", "sample", "seen", "stopped", "total")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, sample: int = sys.maxsize) -> None:
         self.limit = limit
+        self.sample = sample  # members visited per container, the rest extrapolated
         self.stopped = False  # stopped at the limit, before the end
         self.total = 0
         self.budget = SIZE_VISIT_BUDGET
@@ -160,7 +164,7 @@ class _Sizing:
             fits = 0 < len(obj) <= self.budget
             arrays = _arrays_nbytes(items, self.ndarray) if fits else None
             if arrays is None:
-                self.add_members(items, len(obj))
+                self.add_members(items, len(obj), self.sample)
             else:
                 self.budget -= len(obj)
                 self.total += arrays
@@ -181,17 +185,21 @@ class _Sizing:
                 self.total += sys.getsizeof(obj, SCALAR_BYTES)
 
     def add_members(self, items: Any, count: int, sample: int = sys.maxsize) -> None:
-        """Add a container's ``count`` members. If the visit budget (or ``sample``) runs out
-        first, the rest are taken to weigh what the visited ones did on average: a list of
-        two million ints is sized at 16 MB after ten thousand visits."""
+        """Add a container's ``count`` members: of more than ``sample``, every k-th one, so
+        that about ``sample`` are visited from end to end. The members not visited (skipped,
+        or left when the visit budget runs out) are taken to weigh what the visited ones did
+        on average: a list of two million ints is sized at 16 MB after ten thousand visits."""
         start = self.total
-        for visited, item in enumerate(items):
+        if count > sample:
+            items = islice(items, 0, None, -(-count // sample))
+        visited = 0
+        for item in items:
             if self.total >= self.limit:
                 self.stopped = True
                 return
-            if self.budget <= 0 or visited >= sample:
-                self.total += (self.total - start) * (count - visited) // max(visited, 1)
-                return
+            if self.budget <= 0:
+                break
+            visited += 1
             # The scalars and strings a batch's metadata holds by the thousand, counted
             # here as _leaf_size counts them, without a call each.
             cls = type(item)
@@ -203,6 +211,8 @@ class _Sizing:
                 self.total += len(item)
             else:
                 self.add(item)
+        if visited < count:
+            self.total += (self.total - start) * (count - visited) // max(visited, 1)
 
 
 def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
@@ -216,10 +226,14 @@ def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
     return measure(obj, limit)[0]
 
 
-def measure(obj: object, limit: int = sys.maxsize) -> tuple[int, bool]:
+def measure(obj: object, limit: int = sys.maxsize, sample: int = sys.maxsize) -> tuple[int, bool]:
     """:func:`estimate_size`, and whether the walk went to its end rather than stopping at
-    ``limit``: a value sized in one step (an array, a registered type) is sized in full."""
-    sizing = _Sizing(limit)
+    ``limit``: a value sized in one step (an array, a registered type) is sized in full.
+
+    ``sample`` (``CONTAINER_SAMPLE``, say) visits that many members of each container and
+    extrapolates the rest from them: for metadata whose containers hold a small, nearly
+    uniform entry per row (uids, lengths) beside the buffers that make up its bytes."""
+    sizing = _Sizing(limit, sample)
     try:
         sizing.add(obj)
     except RecursionError:
