@@ -166,6 +166,8 @@ class _Splitter:
             if obj.dtype.hasobject:
                 return None  # an array of Python objects: pickled inline, one by one
             nbytes = obj.nbytes
+        elif cls is bytes:  # the padding between a consolidated storage's leaves, say
+            nbytes = len(obj)
         else:
             if leaf_digests.exact(cls) is None or cls in _INLINE:
                 return None

@@ -39,7 +39,8 @@ def probe(local_ray: None) -> Any:
 
 def unsampled(size: int) -> int:
     """An element between two of the evenly spaced ones a spot check of ``size`` reads."""
-    sampled = np.unique(np.linspace(0, size - 1, min(size, SPOT_CHECK_ELEMENTS)).astype(np.intp))
+    count = min(size, SPOT_CHECK_ELEMENTS)
+    sampled = np.arange(count, dtype=np.intp) * (size - 1) // max(count - 1, 1)
     gaps = np.flatnonzero(np.diff(sampled) > 1)
     assert gaps.size, f"a spot check reads all {size} elements"
     index = int(sampled[gaps[gaps.size // 2]]) + 1  # mid-array, just past a sampled element
