@@ -88,18 +88,18 @@ class Record:
 
     def submit(self, where: Where, args: Any, kwargs: Any) -> tuple[Any, Any]:
         sent = [*enumerate(args or ()), *(kwargs or {}).items()]
-        contents = [(at, c) for at, value in sent if (c := self.ref(value)) is not None]
+        contents = [(at, c) for at, value in sent if (c := self.content(value)) is not None]
         if contents:
             self.contents[where] = contents
         return args, kwargs  # by value, as plain
 
     def put(self, where: Where, value: Any) -> Any:
-        content = self.ref(value)
+        content = self.content(value)
         if content is not None:
             self.puts[where] = content
         return None  # Ray's own put, as plain
 
-    def ref(self, value: Any) -> int | None:
+    def content(self, value: Any) -> int | None:
         """The number of ``value``'s content; ``None`` for what Ray does not store
         (inline-sized values, refs, handles). What this does is not the step's: its own
         thread-pool tasks (``fingerprint`` hashes large buffers in a pool) are not counted
@@ -108,11 +108,11 @@ class Record:
             return None
         token = _position.set(None)
         try:
-            return self._ref(value)
+            return self._content(value)
         finally:
             _position.reset(token)
 
-    def _ref(self, value: Any) -> int | None:
+    def _content(self, value: Any) -> int | None:
         start = time.perf_counter()
         nbytes = self.context.serialize(value).total_bytes
         seconds = time.perf_counter() - start
