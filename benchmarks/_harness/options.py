@@ -5,30 +5,52 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from _harness.report import RESULTS
 
 T = TypeVar("T")
 
+#: Where a quick or smoke run's results go unless ``--out`` says: not among the full runs'
+#: committed results, which a shorter run would otherwise overwrite.
+SCRATCH = Path(tempfile.gettempdir()) / "refshare-benchmarks"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Options whose ``--out`` defaults by mode: a full run's to ``benchmarks/results``, a
+    shorter run's to :data:`SCRATCH`."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        found = super().parse_args(args, namespace)
+        if found.out is None:
+            found.out = RESULTS if mode(found) == "full" else SCRATCH
+        return found
+
 
 def parser(doc: str, modes: dict[str, str]) -> argparse.ArgumentParser:
     """A benchmark's options: one of its ``modes`` (``--quick``, ``--smoke``, ...: flag name
     to help) at most, and ``--out``."""
-    found = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    found = _Parser(description=doc.split("\n\n")[0])
     group = found.add_mutually_exclusive_group()
     for name, help_text in modes.items():
         group.add_argument(f"--{name}", action="store_true", help=help_text)
     found.add_argument(
-        "--out", type=Path, default=RESULTS, help="where the results go (benchmarks/results)"
+        "--out",
+        type=Path,
+        default=None,
+        help=f"where the results go (a full run: benchmarks/results; else {SCRATCH})",
     )
     return found
 
 
 def mode(args: argparse.Namespace) -> str:
     """The mode the options chose: ``smoke``, ``quick`` or ``full``."""
-    return "smoke" if args.smoke else "quick" if args.quick else "full"
+    if getattr(args, "smoke", False):
+        return "smoke"
+    return "quick" if getattr(args, "quick", False) else "full"
 
 
 def step_parser(doc: str) -> argparse.ArgumentParser:
