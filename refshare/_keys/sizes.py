@@ -164,17 +164,17 @@ class _Sizing:
             fits = 0 < len(obj) <= self.budget
             arrays = _arrays_nbytes(items, self.ndarray) if fits else None
             if arrays is None:
-                self.add_members(items, len(obj), self.sample)
+                step = _stride(len(obj), self.sample)
+                self.add_members(items if step == 1 else islice(items, 0, None, step), len(obj))
             else:
                 self.budget -= len(obj)
                 self.total += arrays
         elif isinstance(obj, memoryview):
             self.total += obj.nbytes
         elif getattr(getattr(obj, "dtype", None), "hasobject", False):  # numpy, of objects
-            # Sized from a sample: such arrays (uids, prompts) are nearly uniform. Every
-            # k-th element, read by a strided slice: skipping them one by one would cost
-            # what sizing them all does.
-            step = max(1, -(-obj.size // OBJECT_ARRAY_SAMPLE))  # type: ignore[attr-defined]
+            # Sized from a sample: such arrays (uids, prompts) are nearly uniform. A strided
+            # slice reads only the sample, where skipping element by element reads them all.
+            step = _stride(obj.size, OBJECT_ARRAY_SAMPLE)  # type: ignore[attr-defined]
             self.add_members(obj.flat[::step], obj.size)  # type: ignore[attr-defined]
         else:
             state = getattr(obj, "__dict__", None)
@@ -187,14 +187,12 @@ class _Sizing:
             elif not isinstance(state, dict):
                 self.total += sys.getsizeof(obj, SCALAR_BYTES)
 
-    def add_members(self, items: Any, count: int, sample: int = sys.maxsize) -> None:
-        """Add a container's ``count`` members: of more than ``sample``, every k-th one, so
-        that about ``sample`` are visited from end to end. The members not visited (skipped,
-        or left when the visit budget runs out) are taken to weigh what the visited ones did
-        on average: a list of two million ints is sized at 16 MB after ten thousand visits."""
+    def add_members(self, items: Any, count: int) -> None:
+        """Add ``items``, all or a sample of a container's ``count`` members. Those not
+        visited (left out of the sample, or left when the visit budget runs out) are taken
+        to weigh what the visited ones did on average: a list of two million ints is sized
+        at 16 MB after ten thousand visits."""
         start = self.total
-        if count > sample:
-            items = islice(items, 0, None, -(-count // sample))
         visited = 0
         for item in items:
             if self.total >= self.limit:
@@ -216,6 +214,11 @@ class _Sizing:
                 self.add(item)
         if visited < count:
             self.total += (self.total - start) * (count - visited) // max(visited, 1)
+
+
+def _stride(count: int, sample: int) -> int:
+    """Every how many of ``count`` members a sample of about ``sample`` visits one."""
+    return max(1, -(-count // sample))
 
 
 def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
