@@ -89,6 +89,7 @@ class Scope:
         "min_bytes",
         "pickled",
         "put_locks",
+        "put_once",
         "puts",
         "reuse",
         "session",
@@ -124,6 +125,8 @@ class Scope:
         self.bundles: set[Any] = set()
         self.put_locks = self.cache.put_locks if self.cache is not None else PutLocks()
         self.unkeyed: set[int] = set()
+        #: Values ``ray.put`` once in this call, by id: stamped only when put again.
+        self.put_once: set[int] = set()
         #: What is learned of which kinds of values have members sent again (deep=None).
         self.splitting = self.cache.splitting if self.cache is not None else Splitting()
         self.held = 0
@@ -210,17 +213,18 @@ class Scope:
         admission = self.cache.admission if self.cache is not None else None
         way = self.route(value, kind, admission)
         if way is Route.WHOLE:
-            return self.store(value, nbytes, fallback, admission, kind)
+            return self.store(value, nbytes, fallback, admission, kind, put=put)
         if way is Route.COLD:
             assert admission is not None  # only the admission says cold
             return self.store_cold(value, nbytes, fallback, admission, kind)
         deep = way is Route.SPLIT
         learned = self.splitting
-        found = self.split(value)
+        found = self.split(value, put)
         if found is not None and found.result is not None:
+            self.sent_again(found)
             return found.result  # this very value, split and stored before in this call
         if found is None:  # no large member: keyed whole
-            return self.store(value, nbytes, fallback, admission, kind, asked=not deep)
+            return self.store(value, nbytes, fallback, admission, kind, not deep, put)
         members = [member.key for member in found.members]
         if self.deep is None and not found.handles:  # stored whole, refs would outlive it
             stored = PickleOnPut(value) if found.tensors else value
@@ -244,6 +248,14 @@ class Scope:
         if result is not fallback:
             found.result = result
         return result
+
+    def sent_again(self, found: Split) -> None:
+        """Count a split value sent again unchanged within this call as splitting it anew
+        would: each member a hit, and its skeleton too where it was stored."""
+        members = sum(member.nbytes for member in found.members)
+        self.hit(len(found.members), members, members, members)
+        if not isinstance(found.result, Skeleton):
+            self.hit(1, found.nbytes, found.nbytes, 0)
 
     def route(self, value: Any, kind: _admission.Kind, admission: Admission | None) -> Route:
         """How an argument is sent, decided before anything is split: the first rule that
@@ -354,10 +366,11 @@ class Scope:
                 self.cache.bind_session(session)
         return True
 
-    def split(self, value: Any) -> Split | None:
+    def split(self, value: Any, put: bool = False) -> Split | None:
         """``value`` pickled with its large members taken out and keyed; ``None`` for a
         value without large members. Within this scope a value is split once while its
-        structure stamp holds."""
+        structure stamp holds (a value ``ray.put``, ``put``: from its second put on, see
+        :meth:`stamps`)."""
         found: Split | None = self.splits.get(value)
         if found is not None:
             return found
@@ -368,12 +381,24 @@ class Scope:
         except Exception:
             logger.debug("cannot split %s; shared whole", type(value).__qualname__, exc_info=True)
             return None
-        if found is not None and not found.handles:  # (handles kept would live on)
-            # Its small arrays were hashed by the split a moment ago: the stamp reuses that.
+        if found is not None and not found.handles and self.stamps(value, put):
+            # (Not with handles: kept, they would live on.) Its small arrays were hashed by
+            # the split a moment ago: the stamp reuses that.
             members = found.members
             hashed = {id(m.stored): (m.stored, m.key) for m in members if small_array(m.stored)}
             self.splits.keep(value, found, hashed=hashed)
         return found
+
+    def stamps(self, value: Any, put: bool) -> bool:
+        """Whether to stamp ``value``, to find it unchanged if it is sent again in this call
+        (a stamp walks all of it once more): a task's argument always, as it usually goes to
+        several workers; the value of a ``ray.put`` from its second put on, as most are put
+        once (their ref is what travels)."""
+        if not put or id(value) in self.put_once:
+            return True
+        # Only its id is kept: an id recycled meanwhile at worst stamps a value.
+        self.put_once.add(id(value))
+        return False
 
     def key_member(self, member: Any, nbytes: int) -> Keyed | None:
         digest = small_array_digest(member)  # the many small arrays of a batch: hashed now
@@ -391,16 +416,18 @@ class Scope:
         admission: Admission | None = None,
         kind: _admission.Kind | None = None,
         asked: bool = False,
+        put: bool = False,
     ) -> Any:
         """The ref for ``value``'s content: found in the scope or cache, or put now.
 
         With an ``admission`` (a task's argument, a ``ray.put``), a value of a ``kind`` the
         cache has not seen repeat lately is put without being keyed (see
-        ``refshare._admission``); ``asked``: the admission has already said to key it."""
+        ``refshare._admission``); ``asked``: the admission has already said to key it;
+        ``put``: the value of a ``ray.put`` (see :meth:`key`)."""
         if admission is not None and kind is not None and not (asked or admission.keyed(kind)):
             return self.store_cold(value, nbytes, fallback, admission, kind)
         why: list[str] = []
-        keyed = self.key(value, nbytes, why)
+        keyed = self.key(value, nbytes, why, put)
         if keyed is None:
             reason = why[0] if why else "cannot be keyed"
             self.tally.by_value(f"{type(value).__qualname__}: {reason}")
@@ -423,13 +450,16 @@ class Scope:
         admission.record(kind, hit=True)
         return self.store(value, nbytes, fallback)
 
-    def key(self, value: Any, nbytes: int, why: list[str] | None = None) -> Keyed | None:
+    def key(
+        self, value: Any, nbytes: int, why: list[str] | None = None, put: bool = False
+    ) -> Keyed | None:
         """Key ``value``, or ``None`` for by value (``why`` then gets the reason).
 
         A value that had to be pickled to be keyed is stored as that pickle and weighs what
         it pickled to; within this scope it is not pickled again while its structure stamp
         holds, once each class whose pickling it runs has shown that pickling an unchanged
-        value gives the same bytes (see :func:`pickles_alike`)."""
+        value gives the same bytes (see :func:`pickles_alike`); a value ``ray.put``
+        (``put``) from its second put on (see :meth:`stamps`)."""
         kept: Pickled | None = self.pickled.get(value)
         if kept is not None and pickles_alike(kept.classes):
             return Keyed(kept.key, value, kept.nbytes)
@@ -440,7 +470,7 @@ class Scope:
             nbytes = found.serialized.nbytes
         if kept is not None:
             learn_pickling(kept.classes, alike=found.key == kept.key)
-        if found.costly:
+        if found.costly and self.stamps(value, put):
             stamp = structure_stamp(value)
             if stamp is not None:
                 classes = pickling_classes(value, stamp.held)
@@ -612,6 +642,7 @@ class Scope:
         self.local.clear()
         self.bundles.clear()
         self.unkeyed.clear()
+        self.put_once.clear()
         self.held = 0
 
 

@@ -55,12 +55,13 @@ def test_a_batch_growing_by_keys_is_split_once_its_members_are_sent_again(
 ) -> None:
     # The first batch is new: stored whole, in one put, found by the second worker. The
     # grown batch finds its members sent before (in the first batch): split, its three
-    # members put together, in one object; the second worker is sent the same skeleton.
-    assert step(workers, 1.0) == [(1, 1, 2), (1, 0, 3)]
+    # members put together, in one object; the second worker is sent the same skeleton,
+    # its three members found (what by value would store again).
+    assert step(workers, 1.0) == [(1, 1, 2), (1, 3, 3)]
     # From the next step on, a batch of that kind is split from its first call (its new
-    # members put in one object), and the grown batch finds its old members and puts only
-    # its new one.
-    assert step(workers, 10.0) == [(1, 0, 2), (1, 2, 1)]
+    # members put in one object, found by the second worker), and the grown batch finds its
+    # old members and puts only its new one.
+    assert step(workers, 10.0) == [(1, 2, 2), (1, 5, 1)]
 
 
 def test_values_whose_members_never_repeat_are_stored_whole(workers: list[Any]) -> None:

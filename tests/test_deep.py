@@ -176,7 +176,10 @@ def test_a_grown_batch_stores_only_its_new_members(readers: list[Any]) -> None:
     assert deep_fan_out(readers, grown) == fan_out(readers, grown)
     stats = refshare.stats()
     assert (stats.puts, stats.bytes_put) == (1, MEMBER * 8), stats
-    assert stats.hits == 2  # the unchanged members, found again by content
+    # The first worker's send finds the two unchanged members again by content; each next
+    # worker's finds the whole batch, its three members, split already in this call.
+    assert stats.hits == 2 + (N - 1) * 3
+    assert stats.bytes_saved == (2 + (N - 1) * 3) * MEMBER * 8
     again = copy.deepcopy(grown)  # equal content, new objects (a slice made again)
     refshare.reset_stats()
     deep_fan_out(readers, again)
@@ -280,6 +283,45 @@ def test_puts_in_a_deep_scope_store_members(readers: list[Any]) -> None:
     stats = refshare.stats()  # a and b together, c alone, two skeletons
     assert (stats.puts, stats.hits) == (2 + 2, 2), stats
     assert stats.bytes_put - 3 * MEMBER * 8 < 4096, stats
+
+
+@pytest.mark.parametrize("how", ["fan-out", "put"])
+def test_a_split_value_sent_again_in_a_call_counts_as_saved(readers: list[Any], how: str) -> None:
+    """Sent to N workers (or put N times) in one call, a split value is stored once: the
+    N - 1 sends after the first save what by value would store again, and are counted so,
+    whether the scope splits it again or finds it split already."""
+    batch = {"a": member(1.0), "b": member(2.0), "tag": "step"}
+    members = 2 * MEMBER * 8
+
+    @refshare.shared_args(deep=True)
+    def send() -> Any:
+        if how == "put":
+            refs = [ray.put(batch) for _ in readers]
+            return ray.get([r.read.remote(ref) for r, ref in zip(readers, refs, strict=True)])
+        return fan_out(readers, batch)
+
+    refshare.reset_report()
+    assert send() == fan_out(readers, batch)
+    stats, row = refshare.stats(), refshare.report().rows[0]
+    assert stats.puts == (2 if how == "put" else 1)  # the members together; a put's skeleton
+    assert stats.bytes_saved == row.bytes_repeated == row.bytes_repeated_in_call
+    assert (N - 1) * members <= stats.bytes_saved < (N - 1) * (members + 4096)
+    assert row.bytes_repeated_members == (N - 1) * members
+
+
+def test_a_value_put_again_after_a_change_is_put_as_it_is_now(readers: list[Any]) -> None:
+    """A value put once is stamped only when it is put again (most are put once: their ref
+    is what travels); put again after a change, it is put as it is now, and put a third
+    time unchanged, it is the second put's ref."""
+    batch = {"a": member(1.0), "b": member(2.0)}
+    with refshare.sharing(deep=True):
+        first = ray.put(batch)
+        batch["a"][0] = -1.0
+        second = ray.put(batch)
+        third = ray.put(batch)
+    assert ray.get(first)["a"][0] == 1.0
+    assert ray.get(second)["a"][0] == -1.0 and ray.get(third)["a"][0] == -1.0
+    assert second != first and third == second
 
 
 def test_members_a_small_cache_cannot_hold_together_are_stored_again(
