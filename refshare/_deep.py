@@ -43,6 +43,24 @@ KeyFn = Callable[[Any, int], "Keyed | None"]
 deep_reducers: TypeTable[Callable[[Any], Any]] = TypeTable(pickles_as)
 
 
+class NotSplittable(Exception):
+    """A split refused: the value holds an object whose pickling runs code of its own, which
+    a split would run only to find no member in its output, before the value is pickled
+    again whole."""
+
+
+def kept_whole(value: Any) -> Any:
+    """The deep reducer of a type never split into members (SkyRL's batch, whose pickling
+    sends copies it makes only by running it): a value of that type is routed whole before
+    any split is tried, and a split of a value holding one is refused."""
+    raise NotSplittable(type(value).__qualname__)
+
+
+def never_split(cls: type) -> bool:
+    """Whether values of ``cls`` are kept whole (:func:`kept_whole`)."""
+    return deep_reducers.lookup(cls) is kept_whole
+
+
 @dataclass
 class Split:
     """An argument pickled with its large members taken out and keyed, none stored yet."""
@@ -131,12 +149,6 @@ def _handle_id(handle: Any) -> bytes:
     if binary is not None:
         return bytes(binary())
     return bytes(handle._actor_id.binary())  # an actor handle
-
-
-class NotSplittable(Exception):
-    """A split refused: the value holds an object whose pickling runs code of its own, which
-    a split would run only to find no member in its output, before the value is pickled
-    again whole."""
 
 
 class _Splitter:

@@ -78,11 +78,7 @@ def dispatch_entry(cls: type) -> Any:
     return None
 
 
-def _resolved(cls: type, name: str) -> object:
-    for base in cls.__mro__:
-        if name in base.__dict__:
-            return base.__dict__[name]
-    return None
+_UNSET = object()
 
 
 def _slots(cls: type) -> frozenset[str]:
@@ -120,8 +116,23 @@ def pickling_of(cls: type) -> Pickling:
     slots = _slots_of.get(cls)
     if slots is None:
         slots = _slots_of[cls] = _slots(cls)
-    hooks = tuple(_resolved(cls, name) for name in PICKLING_HOOKS)
-    return (dispatch_entry(cls), *hooks, slots)
+    return (dispatch_entry(cls), *_hooks(cls), slots)
+
+
+def _hooks(cls: type) -> list[object]:
+    """Each of :data:`PICKLING_HOOKS` as ``cls`` resolves it along its MRO (``None`` where
+    no class defines it): each class's namespace read once for all six names."""
+    found: list[object] = [_UNSET] * len(PICKLING_HOOKS)
+    missing = len(PICKLING_HOOKS)
+    for base in cls.__mro__:
+        namespace = base.__dict__
+        for index, name in enumerate(PICKLING_HOOKS):
+            if found[index] is _UNSET and name in namespace:
+                found[index] = namespace[name]  # (``None`` too: it hides the bases' hook)
+                missing -= 1
+        if not missing:
+            break
+    return [None if hook is _UNSET else hook for hook in found]
 
 
 def package_of(obj: object) -> str:

@@ -17,7 +17,7 @@ from ray import ObjectRef
 from . import _admission, _report, _stats
 from ._admission import Admission, Splitting
 from ._cache import CacheEntry, PutLocks, RefCache, audit_cache, scope_budget
-from ._deep import Bundled, NotSplittable, Skeleton, Split, bundled_key, split
+from ._deep import Bundled, NotSplittable, Skeleton, Split, bundled_key, never_split, split
 from ._keys import Key, Keyed, Memo, identify
 from ._keys.leaves import small_array, small_array_digest
 from ._keys.pickler import learn_pickling, pickles_alike, pickling_classes, runs_own_pickling
@@ -261,14 +261,15 @@ class Scope:
         """How an argument is sent, decided before anything is split: the first rule that
         applies, in this order (the admission is asked last: asking counts a probe).
 
-        - ``deep=False``, or a leaf (an array, a tensor, bytes, a str): ``WHOLE``;
+        - ``deep=False``, a leaf (an array, a tensor, bytes, a str), or a type never split
+          (SkyRL's batch): ``WHOLE``;
         - ``deep=None`` and a type taught by ``register_fingerprint``: ``WHOLE``;
         - ``deep=True``, or its kind has had members sent again: ``SPLIT``;
         - its kind has not repeated lately (see ``refshare._admission``): ``COLD``;
         - anything else: ``PROBE``.
         """
         cls = type(value)
-        if self.deep is False or leaf_digests.exact(cls) is not None:
+        if self.deep is False or leaf_digests.exact(cls) is not None or never_split(cls):
             return Route.WHOLE
         if self.deep is None and user_fingerprints.lookup(cls) is not None:
             return Route.WHOLE

@@ -20,9 +20,9 @@ import sys
 import warnings
 from typing import Any
 
-from .._deep import deep_reducers
+from .._deep import deep_reducers, kept_whole
 from .._keys.leaves import Unfingerprintable, tensor_digest, tensor_state
-from .._keys.sizes import estimate_size, sizes
+from .._keys.sizes import CONTAINER_SAMPLE, measure, sizes
 from .._keys.tables import Key, Memo, builtin_fingerprints, leaf_digests
 from .._wire.tensors import TensorElements
 from .framework import Framework, Target
@@ -197,18 +197,18 @@ def tensor_batch_fingerprint(batch: Any) -> Any:
     return fields, batch_size, device, batch.metadata
 
 
-class NotSplit(Exception):
-    """Raised to deep sharing's splitter for a SkyRL batch, which then stores it whole."""
+# A SkyRL batch is never split into members: its pickling sends copies of its tensors'
+# bytes (``torch.save`` blobs in skyrl-train), made only by running it, and a worker must
+# receive what that pickling gives. It is stored whole, keyed by its fingerprint, and a value
+# holding one is stored whole too.
+deep_reducers.register_lazy(BATCH_MODULE, "TensorBatch", kept_whole)
+deep_reducers.register_lazy(OLD_BATCH_MODULE, "TensorBatch", kept_whole)
 
 
-@deep_reducers.registers_lazy(BATCH_MODULE, "TensorBatch")
-@deep_reducers.registers_lazy(OLD_BATCH_MODULE, "TensorBatch")
-def tensor_batch_members(batch: Any) -> Any:
-    """A SkyRL batch is never split into members: its pickling sends copies of its tensors'
-    bytes (``torch.save`` blobs in skyrl-train), made only by running it, and a worker must
-    receive what that pickling gives. Splitting raises, before any of it runs, and the batch
-    (or the value holding it) is stored whole, keyed by its fingerprint."""
-    raise NotSplit(type(batch).__qualname__)
+def _metadata_size(metadata: Any) -> int:
+    """A batch's metadata (uids, boundaries, metrics: a small value per row or mini-batch),
+    sized from a sample of each container's members beside tensors of megabytes."""
+    return measure(metadata, sample=CONTAINER_SAMPLE)[0]
 
 
 def _sent_nbytes(t: Any, torch_format: bool) -> int:
@@ -237,7 +237,7 @@ def tensor_batch_size(batch: Any) -> int:
             packed = getattr(value, "cu_seqlens", None)
             tensors = [value] if packed is None else [value.values, packed]
         total += sum(_tensor_nbytes(t) for t in tensors)
-    return total + estimate_size(batch.metadata)
+    return total + _metadata_size(batch.metadata)
 
 
 def _saved_state(t: Any) -> Any:
@@ -281,7 +281,7 @@ def old_tensor_batch_size(batch: Any) -> int:
     for value in batch.values():
         if isinstance(value, torch.Tensor) and value.device.type == "cpu":
             total += 2 * _sent_nbytes(value, torch_format=True)
-    return total + estimate_size(batch.metadata)
+    return total + _metadata_size(batch.metadata)
 
 
 def register_tensor_batch(cls: type) -> None:
@@ -290,4 +290,4 @@ def register_tensor_batch(cls: type) -> None:
     as that one does but lives in another module, as a mirror of it does."""
     builtin_fingerprints.register(cls, tensor_batch_fingerprint)
     sizes.register(cls, tensor_batch_size)
-    deep_reducers.register(cls, tensor_batch_members)
+    deep_reducers.register(cls, kept_whole)

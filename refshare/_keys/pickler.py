@@ -137,6 +137,8 @@ def _from_class(*parts: object) -> None:
 #: An array of more Python objects than this is keyed by the pickle Ray sends (which a miss
 #: then puts): its elements must be pickled to be keyed, so that pickle is not done twice.
 SERIALIZE_OBJECT_ARRAYS_FROM = 10_000
+#: The stand-ins themselves, pickled by name into the hashed stream with no question asked.
+_STAND_INS = frozenset((_from_digest, _from_user_fingerprint, _from_class))
 
 
 class _FingerprintPickler(pickle.Pickler):
@@ -161,6 +163,8 @@ class _FingerprintPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
+        if cls is types.FunctionType and obj in _STAND_INS:
+            return NotImplemented
         if isinstance(obj, serialized.ray_handle_types()):
             raise serialized.HoldsRayHandles(cls.__qualname__)
         leaf = leaf_digests.exact(cls)

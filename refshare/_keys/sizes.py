@@ -210,6 +210,10 @@ class _Sizing:
             elif cls is str or cls is bytes:
                 self.budget -= 1
                 self.total += len(item)
+            elif cls is tuple and SCALARS.issuperset(map(type, item)):
+                # A row's bounds, a shape: no container of its own to walk or to see again.
+                self.budget -= 1 + len(item)
+                self.total += SCALAR_BYTES * len(item)
             else:
                 self.add(item)
         if visited < count:
