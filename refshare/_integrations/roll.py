@@ -25,7 +25,7 @@ from typing import Any
 
 from .._deep import deep_reducers
 from .._keys.pickler import NeedsSerializing
-from .._keys.sizes import estimate_size, sizes
+from .._keys.sizes import metadata_size, sizes
 from .._keys.tables import builtin_fingerprints
 from .._wire import bootstrap
 from .framework import Framework, Target
@@ -167,7 +167,7 @@ def dataproto_size(data: Any) -> int:
         stored = 0 if batch is None else sum(_storages(_saved_tensors(batch))[1])
     except (NeedsSerializing, KeyError):
         return -1
-    return stored + sum(estimate_size(value) for value in state[1:])
+    return stored + sum(metadata_size(value) for value in state[1:])
 
 
 @deep_reducers.registers_lazy(PROTOCOL, "DataProto")

@@ -22,7 +22,7 @@ from typing import Any
 
 from .._deep import deep_reducers, kept_whole
 from .._keys.leaves import Unfingerprintable, tensor_digest, tensor_state
-from .._keys.sizes import CONTAINER_SAMPLE, measure, sizes
+from .._keys.sizes import metadata_size, sizes
 from .._keys.tables import Key, Memo, builtin_fingerprints, leaf_digests
 from .._wire.tensors import TensorElements
 from .framework import Framework, Target
@@ -205,12 +205,6 @@ deep_reducers.register_lazy(BATCH_MODULE, "TensorBatch", kept_whole)
 deep_reducers.register_lazy(OLD_BATCH_MODULE, "TensorBatch", kept_whole)
 
 
-def _metadata_size(metadata: Any) -> int:
-    """A batch's metadata (uids, boundaries, metrics: a small value per row or mini-batch),
-    sized from a sample of each container's members beside tensors of megabytes."""
-    return measure(metadata, sample=CONTAINER_SAMPLE)[0]
-
-
 def _sent_nbytes(t: Any, torch_format: bool) -> int:
     if torch_format and t.is_contiguous():
         return int(t.untyped_storage().nbytes())  # torch.save writes the whole storage
@@ -237,7 +231,7 @@ def tensor_batch_size(batch: Any) -> int:
             packed = getattr(value, "cu_seqlens", None)
             tensors = [value] if packed is None else [value.values, packed]
         total += sum(_tensor_nbytes(t) for t in tensors)
-    return total + _metadata_size(batch.metadata)
+    return total + metadata_size(batch.metadata)
 
 
 def _saved_state(t: Any) -> Any:
@@ -281,7 +275,7 @@ def old_tensor_batch_size(batch: Any) -> int:
     for value in batch.values():
         if isinstance(value, torch.Tensor) and value.device.type == "cpu":
             total += 2 * _sent_nbytes(value, torch_format=True)
-    return total + _metadata_size(batch.metadata)
+    return total + metadata_size(batch.metadata)
 
 
 def register_tensor_batch(cls: type) -> None:

@@ -15,7 +15,7 @@ import copyreg
 from typing import Any
 
 from .._deep import deep_reducers
-from .._keys.sizes import CONTAINER_SAMPLE, measure, sizes, tensor_nbytes
+from .._keys.sizes import metadata_size, sizes, tensor_nbytes
 from .._wire import bootstrap
 from .._wire.tensors import element_bytes
 
@@ -34,8 +34,7 @@ def tensordict_size(td: Any) -> int:
     consolidated = _consolidated(td)
     if consolidated is None:
         return -1
-    metadata, _ = measure(consolidated["metadata"], sample=CONTAINER_SAMPLE)
-    return tensor_nbytes(consolidated["storage"]) + metadata
+    return tensor_nbytes(consolidated["storage"]) + metadata_size(consolidated["metadata"])
 
 
 def _leaf_ranges(metadata: dict[str, Any]) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from .._deep import deep_reducers
-from .._keys.sizes import estimate_size, sizes
+from .._keys.sizes import metadata_size, sizes
 from .._keys.tables import builtin_fingerprints
 from .._rules import own_pickling
 from .._wire import bootstrap
@@ -93,7 +93,7 @@ def dataproto_size(data: Any) -> int:
     if data.batch is not None:
         for _key, tensor in _tensor_items(data.batch):
             total += tensor.nelement() * tensor.element_size()
-    return total + estimate_size(data.non_tensor_batch) + estimate_size(data.meta_info)
+    return total + metadata_size(data.non_tensor_batch) + metadata_size(data.meta_info)
 
 
 def _consolidates() -> bool:

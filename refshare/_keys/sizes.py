@@ -236,6 +236,14 @@ def estimate_size(obj: object, limit: int = sys.maxsize) -> int:
     return measure(obj, limit)[0]
 
 
+def metadata_size(obj: object) -> int:
+    """The size of what a framework's batch sends beside its tensors (a ``DataProto``'s
+    non-tensor batch and ``meta_info``, a consolidated ``TensorDict``'s metadata, a SkyRL
+    batch's metadata), sized from a sample of each container's members: a small entry per
+    row or mini-batch, by the hundred, beside megabytes of tensors."""
+    return measure(obj, sample=CONTAINER_SAMPLE)[0]
+
+
 def measure(obj: object, limit: int = sys.maxsize, sample: int = sys.maxsize) -> tuple[int, bool]:
     """:func:`estimate_size`, and whether the walk went to its end rather than stopping at
     ``limit``: a value sized in one step (an array, a registered type) is sized in full.
