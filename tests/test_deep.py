@@ -213,6 +213,33 @@ def test_each_member_is_serialized_once_and_a_grown_batch_only_its_new_one(
         ray.util.deregister_serializer(torch.Tensor)
 
 
+@pytest.mark.verify_off  # counts pickles, which verify adds to
+def test_the_workers_rebuild_is_pickled_by_value_once_per_process(
+    readers: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The function a worker rebuilds a skeleton with travels by value (the worker needs no
+    refshare), and cloudpickle would pickle its code and helpers each time a skeleton is
+    pickled: it is pickled once per process, and every skeleton carries that pickle."""
+    from ray.cloudpickle import cloudpickle
+
+    pickled: list[str] = []
+    original = cloudpickle.Pickler._dynamic_function_reduce
+
+    def counted(self: Any, function: Any) -> Any:
+        if function.__module__ == "refshare._wire.bootstrap":
+            pickled.append(function.__name__)
+        return original(self, function)
+
+    monkeypatch.setattr(cloudpickle.Pickler, "_dynamic_function_reduce", counted)
+    for step in range(4):  # new content each call: a new skeleton put each time
+        batch = {"a": member(float(step)), "b": member(-float(step)), "note": "x"}
+        assert deep_fan_out(readers, batch) == fan_out(readers, batch)
+    # Each call: its two members in one bundle; the skeleton, small, goes inline with each
+    # of the call's tasks, pickled by Ray once per task.
+    assert refshare.stats().puts == 4
+    assert pickled.count("rebuild_skeleton") <= 1
+
+
 class Tally:
     """Counts how many times the driver pickles it: once per split of what holds it."""
 

@@ -1,9 +1,11 @@
-"""Ray's cloudpickle, as refshare relies on it: what it sends by value, and decorated
-functions that must pickle as themselves."""
+"""Ray's cloudpickle, as refshare relies on it: what it sends by value, refshare's own
+functions shipped by value (pickled once per process), and decorated functions that must
+pickle as themselves."""
 
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import types
 from collections.abc import Callable
@@ -38,6 +40,35 @@ def ship_by_value(module: types.ModuleType) -> None:
 
         cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
         _shipped.add(module.__name__)
+    ensure_pickling_patch()
+
+
+#: Each function of a module shipped by value, as cloudpickle pickles it on its own.
+_pickled_once: dict[Any, bytes] = {}
+_pickling_once = threading.local()
+
+
+def _shipped_function(function: Any) -> tuple[Any, tuple[bytes]] | None:
+    """A reduction of a function of a module shipped by value that unpickles its by-value
+    pickle, made once per process: cloudpickle would pickle its code, and the helpers and
+    classes it names, each time it is sent (0.3 ms for a skeleton's rebuild), and a worker
+    rebuilds from these bytes exactly what it would rebuild from those. ``None`` for any
+    other object, and while that pickle is being made."""
+    if type(function) is not types.FunctionType or function.__module__ not in _shipped:
+        return None
+    if getattr(_pickling_once, "busy", False):
+        return None  # making a pickle: cloudpickle's own by-value pickle, helpers included
+    pickled = _pickled_once.get(function)
+    if pickled is None:
+        from ray import cloudpickle
+
+        _pickling_once.busy = True
+        try:
+            pickled = cloudpickle.dumps(function, protocol=5)  # type: ignore[no-untyped-call]
+        finally:
+            _pickling_once.busy = False
+        pickled = _pickled_once.setdefault(function, pickled)
+    return pickle.loads, (pickled,)
 
 
 # -- decorated functions shipped by value -------------------------------------------------
@@ -54,6 +85,10 @@ def _reducer_override(wrapped: Callable[..., Any], instance: Any, args: Any, kwa
     cls = type(obj)
     if cls in self_pickling_types:
         return obj.__reduce_ex__(5)
+    if cls is types.FunctionType:
+        shipped = _shipped_function(obj)
+        if shipped is not None:
+            return shipped
     if cls is wrapt.BoundFunctionWrapper and type(obj._self_parent) in self_pickling_types:
         # Looked up on a class (as Ray's actor machinery does) or bound to an instance.
         bound_to = obj._self_instance
@@ -72,7 +107,8 @@ def _bind(function: Any, instance: Any) -> Any:
 
 
 def ensure_pickling_patch() -> None:
-    """Have Ray's cloudpickle pickle refshare's decorators as themselves (once, idempotent).
+    """Have Ray's cloudpickle pickle refshare's decorators as themselves, and the functions
+    of modules shipped by value from their pickle made once (once, idempotent).
 
     If cloudpickle is not what refshare expects, decorated functions shipped by value
     arrive undecorated, as before: their data still goes by value, correctly.
