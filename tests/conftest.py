@@ -5,15 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import pytest
 import ray
 import skyrl_wheel
+from ray.cluster_utils import Cluster
 
 import refshare
 from refshare._verify import verify_by_env
+
+T = TypeVar("T")
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Workers start from the raylet's environment: let them import the test modules whose
@@ -40,6 +43,21 @@ OBJECT_STORE_BYTES = 1 << 30
 STARTS = 3
 
 
+def _started(start: Callable[[], T], undo: Callable[[], object]) -> T:
+    """``start()``, tried again (after ``undo()``) when Ray does not come up in time (see
+    :data:`STARTS`)."""
+    for attempt in range(STARTS):
+        try:
+            return start()
+        except Exception as error:
+            if attempt == STARTS - 1 or "timed out" not in str(error).lower():
+                raise
+            logging.getLogger(__name__).warning("Ray did not start (%s); again", error)
+            undo()
+            time.sleep(2)
+    raise AssertionError("unreachable")
+
+
 def init_local_ray(**options: Any) -> None:
     """``ray.init`` of a new local cluster with the suite's settings and ``options`` over
     them, tried again when its GCS does not come up in time (see :data:`STARTS`)."""
@@ -53,16 +71,21 @@ def init_local_ray(**options: Any) -> None:
         "runtime_env": _RUNTIME_ENV,
     }
     settings.update(options)
-    for attempt in range(STARTS):
-        try:
-            ray.init(**settings)
-            return
-        except Exception as error:
-            if attempt == STARTS - 1 or "timed out" not in str(error).lower():
-                raise
-            logging.getLogger(__name__).warning("Ray did not start (%s); again", error)
-            ray.shutdown()
-            time.sleep(2)
+    _started(lambda: ray.init(**settings), ray.shutdown)
+
+
+def start_cluster(head: dict[str, Any], *nodes: dict[str, Any]) -> Cluster:
+    """A several-node cluster on this machine (head first, driver not attached), each node
+    tried again when it does not register in time, as :func:`init_local_ray` does (a node that
+    failed is not the cluster's: its processes stay until this process exits)."""
+    cluster = _started(lambda: Cluster(initialize_head=True, head_node_args=head), lambda: None)
+    try:
+        for args in nodes:
+            _started(lambda args=args: cluster.add_node(**args), lambda: None)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
 
 
 def start_local_ray(object_store_bytes: int = OBJECT_STORE_BYTES) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
-from conftest import start_local_ray
+from conftest import start_cluster, start_local_ray
 from helpers import Payload, Worker, count_payload_serializations
 from ray.cluster_utils import Cluster
 
@@ -26,11 +26,10 @@ import _cluster_counters as counters
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Cluster]:
     ray.shutdown()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": 256 << 20, "resources": {"head": 1}},
+    cluster = start_cluster(
+        {"num_cpus": 1, "object_store_memory": 256 << 20, "resources": {"head": 1}},
+        {"num_cpus": 1, "object_store_memory": 256 << 20, "resources": {"second": 1}},
     )
-    cluster.add_node(num_cpus=1, object_store_memory=256 << 20, resources={"second": 1})
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     cluster.wait_for_nodes()
     count_payload_serializations()
