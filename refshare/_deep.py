@@ -16,6 +16,7 @@ import io
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FunctionType
 from typing import Any, NamedTuple
 
 from ._dispatch import TypeTable
@@ -27,7 +28,7 @@ from ._keys.tables import Key, Keyed, leaf_digests
 from ._ray.pickling import ship_by_value
 from ._rules import instance_hooks, pickles_as
 from ._wire import bootstrap
-from ._wire.serialized import native_split, pickler_classes, ray_handle_types
+from ._wire.serialized import has_own_form, native_split, pickler_classes, ray_handle_types
 
 #: Leaves kept inside the skeleton, whatever their size: stored on their own, they would go
 #: through Ray's msgpack, where a ``bytearray`` or a ``memoryview`` arrives as ``bytes``.
@@ -167,6 +168,8 @@ class _Splitter:
         self.tensors = False
         self.seen: dict[int, tuple[object, Any]] = {}
         self.ndarray = plain_ndarray()
+        #: Per class met in this split: whether it is plain (:func:`_plain`).
+        self.plain: dict[type, bool] = {}
 
     def persistent_id(self, obj: Any) -> Any:
         cls = type(obj)
@@ -199,9 +202,15 @@ class _Splitter:
 
     def reduce(self, obj: Any) -> Any:
         """A reduction of ``obj`` that shows its members, for a type whose pickling hides
-        them; ``None`` for any other."""
+        them; ``NotImplemented`` for an object pickle's own reduction sends as Ray's
+        pickler would (see :meth:`plain`); ``None`` for any other."""
         cls = type(obj)
+        plain = self.plain.get(cls)
+        if plain is None:
+            plain = self.plain[cls] = _plain(cls)
         hooked = instance_hooks(obj)
+        if plain and not hooked:
+            return NotImplemented
         reduce = None if hooked else deep_reducers.lookup(cls)
         if reduce is not None:
             reduced = reduce(obj)
@@ -236,6 +245,22 @@ class _Splitter:
         if not self.members:
             return None
         return Split(native, stream.getvalue(), buffers, self.members, self.handles, self.tensors)
+
+
+def _plain(cls: type) -> bool:
+    """Whether an instance of ``cls`` (without pickling hooks of its own) is pickled in a
+    split by pickle's own reduction and nothing else: no deep reducer, no pickling code of
+    its own, no form of refshare's (exact tensors and arrays have one), and neither a
+    class nor a function (cloudpickle's). A metadata's many numpy scalars, say: asked
+    once per split, not once each."""
+    return not (
+        issubclass(cls, type)
+        or cls is FunctionType
+        or leaf_digests.exact(cls) is not None
+        or has_own_form(cls)
+        or deep_reducers.lookup(cls) is not None
+        or runs_own_pickling(cls)
+    )
 
 
 def split(value: Any, key: KeyFn, min_bytes: int, strict: bool = False) -> Split | None:

@@ -20,6 +20,7 @@ import functools
 import io
 import logging
 import pickle
+import sys
 import threading
 from typing import Any
 
@@ -50,6 +51,14 @@ def own_form(obj: Any) -> Any:
     """What refshare stores for ``obj`` where it has a cheaper form than Ray's pickling: a
     plain CPU tensor as its bytes, an array of strings joined; else ``None``."""
     return tensor_form(obj) or strings_form(obj)
+
+
+def has_own_form(cls: type) -> bool:
+    """Whether :func:`own_form` may give a form for an instance of ``cls``."""
+    return any(
+        cls is getattr(sys.modules.get(module), name, None)
+        for module, name in (("torch", "Tensor"), ("numpy", "ndarray"))
+    )
 
 
 def native_split(value: Any) -> tuple[bytes | None, Any]:
@@ -132,7 +141,7 @@ def pickler_classes() -> tuple[type[pickle.Pickler], type[pickle.Pickler]]:
 
         def reducer_override(self, obj: Any) -> Any:
             reduced = self.splitter.reduce(obj)
-            if reduced is not None:
+            if reduced is not None:  # NotImplemented included: pickled as pickle does
                 return reduced
             form = own_form(obj)  # a small tensor, left inside the skeleton: as its bytes
             if form is not None:
