@@ -68,6 +68,8 @@ def test_step_benchmark_smoke(case: str, tmp_path: Path) -> None:
             for summary in _summaries(json.loads(report.with_suffix(".json").read_text())):
                 assert {"audit", "ideal"} <= set(summary["median_ms"]), report.name
                 assert summary["would_save"] > 0, report.name
+                # The audit keys every large argument: its keying clock saw it run.
+                assert summary["audit_keying_ms"] > 0, report.name
 
 
 def _summaries(results: dict[str, Any]) -> list[dict[str, Any]]:

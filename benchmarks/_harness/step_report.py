@@ -195,6 +195,9 @@ def ideal_and_audit(summary: dict[str, Any], labels: dict[str, str]) -> list[str
          f"{cpu:.2f}{TIMES} ({summary['audit_cpu_over_plain_ms']:.1f} ms over plain; plain "
          f"again over plain {summary['control_cpu_over_plain_ms']:.1f} ms)",
          f"{TIMES_LE} 0.3{TIMES}", "yes" if cpu <= 0.3 else "NO"],
+        ["of which refshare's keying: its threads' CPU time in it per step ÷ the same "
+         "serialization", f"{summary.get('audit_keying_cost', 0.0):.2f}{TIMES} "
+         f"({summary.get('audit_keying_ms', 0.0):.1f} ms)", "(where the cost goes)", ""],
         ["would save ÷ the default's saved bytes per step",
          f"{agree:.3f}{TIMES} ({summary['would_save'] / MiB:.1f} vs "
          f"{summary['default_saved'] / MiB:.1f} MiB; each step {low:.3f}{DASH}{high:.3f})",
@@ -228,7 +231,10 @@ def ideal_and_audit(summary: dict[str, Any], labels: dict[str, str]) -> list[str
         "Over plain: the median of each step's difference. Driver time: the step's wall "
         "clock, the workers' waits included; driver CPU time: what the driver process spent "
         "in all its threads (`time.process_time()`), which the workers' and Ray's daemons' "
-        "share of the cores does not blur. Serializing: the median per step "
+        "share of the cores does not blur; refshare's keying: the CPU time of the threads "
+        "in its two entry points (`Scope.rewrite`, `Scope.ray_put`) and its hashing pool, "
+        "each by `time.thread_time()`, the rest of the CPU time over plain being what Ray's "
+        "own puts cost more or less in that turn. Serializing: the median per step "
         "of `SerializationContext.serialize` timed over each argument Ray stores and each "
         "value put, once per `.remote()` or put, as plain sends them (in the ideal's record, "
         "on the same content: plain's own turn stays untouched); it leaves out Ray's copy "

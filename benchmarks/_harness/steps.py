@@ -11,6 +11,7 @@ import math
 import os
 import pickle
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -100,9 +101,11 @@ class Sharing:
         reset first, so that the turn's counts (:data:`REPORTED`) are its own."""
         self.refshare.reset_report()
         if strategy in OPTIONS:
-            with self._refshare_on(strategy):
+            clock = keying_clock() if strategy == AUDIT else contextlib.nullcontext([0.0])
+            with self._refshare_on(strategy), clock as spent:
                 turn = Turn(strategy)
                 yield turn
+            turn.keying_seconds = spent[0]
             turn.reported = _totals(self.refshare.report())
             if strategy not in BY_VALUE:
                 turn.stored_by_refshare()
@@ -211,6 +214,7 @@ class Turn:
         self.distinct = 0  # bytes of the distinct tensors the step sent (set by the benchmark)
         self.received: Any = None  # checksums of what each worker received
         self.cpu_seconds = 0.0  # the driver process's CPU time in the step, all its threads
+        self.keying_seconds = 0.0  # the audit's: its threads' CPU time keying (keying_clock)
         self._start, self._before = time.perf_counter(), self.stats()
         self._cpu = time.process_time()
 
@@ -245,9 +249,47 @@ class Turn:
         self.stored += nbytes
 
     def record(self) -> dict[str, Any]:
-        keys = ("seconds", "cpu_seconds", "counts", "reported", "serialized", "put_seconds",
-                "stored", "stored_calls", "distinct")  # fmt: skip
+        keys = ("seconds", "cpu_seconds", "keying_seconds", "counts", "reported", "serialized",
+                "put_seconds", "stored", "stored_calls", "distinct")  # fmt: skip
         return {k: getattr(self, k) for k in keys}
+
+
+@contextlib.contextmanager
+def keying_clock() -> Iterator[list[float]]:
+    """The CPU time (``time.thread_time()``) the driver's threads spend in refshare's keying
+    while it runs: in its two entry points, ``Scope.rewrite`` (a task's arguments) and
+    ``Scope.ray_put``, and in its hashing pool's share of a buffer over 8 MiB. Where an
+    audit's cost goes: beside the step's CPU time over plain's, which also holds what Ray's
+    own work (its puts) costs more or less in that turn. Timed from outside refshare, by
+    wrapping those three functions for the turn."""
+    from refshare import _hashing, _scope
+
+    spent = [0.0]
+    lock = threading.Lock()
+
+    def timing(fn: Callable[..., Any], pool_only: bool = False) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if pool_only and not threading.current_thread().name.startswith("refshare-hash"):
+                return fn(*args, **kwargs)  # the calling thread's share: timed already
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with lock:
+                    spent[0] += time.thread_time() - start
+
+        return timed
+
+    wrapped = [(_scope.Scope, "rewrite", False), (_scope.Scope, "ray_put", False)]
+    wrapped.append((_hashing, "_chunk_digests", True))
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
+    for owner, name, pool_only in wrapped:
+        setattr(owner, name, timing(getattr(owner, name), pool_only))
+    try:
+        yield spent
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
 
 
 def _delta(before: Any, after: Any) -> dict[str, int]:
@@ -360,6 +402,7 @@ def audited(steps: list[dict[str, Any]]) -> dict[str, Any]:
         return float(turn["cpu_seconds"])
 
     serialized = median([t["turns"][RECORD]["serialized"] for t in steps])
+    keying = median([t["turns"][AUDIT].get("keying_seconds", 0.0) for t in steps])
     would = [t["turns"][AUDIT]["reported"]["bytes_repeated"] for t in steps]
     saved = [t["turns"][AUTO]["reported"]["bytes_repeated"] for t in steps]
     each = [_ratio(w, s) for w, s in zip(would, saved, strict=True)]
@@ -371,6 +414,8 @@ def audited(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "serialize_ms": serialized * 1e3,
         "audit_cost": _ratio(over_plain(AUDIT, wall), serialized),
         "audit_cpu_cost": _ratio(over_plain(AUDIT, cpu), serialized),
+        "audit_keying_ms": keying * 1e3,
+        "audit_keying_cost": _ratio(keying, serialized),
         "would_save": median(would),
         "default_saved": median(saved),
         "would_to_saved": _ratio(median(would), median(saved)),
