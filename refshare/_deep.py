@@ -203,7 +203,7 @@ class _Splitter:
     def reduce(self, obj: Any) -> Any:
         """A reduction of ``obj`` that shows its members, for a type whose pickling hides
         them; ``NotImplemented`` for an object pickle's own reduction sends as Ray's
-        pickler would (see :meth:`plain`); ``None`` for any other."""
+        pickler would (see :func:`_plain`); ``None`` for any other."""
         cls = type(obj)
         plain = self.plain.get(cls)
         if plain is None:
