@@ -28,7 +28,7 @@ from ._keys.tables import Key, Keyed, leaf_digests
 from ._ray.pickling import ship_by_value
 from ._rules import instance_hooks, pickles_as
 from ._wire import bootstrap
-from ._wire.serialized import has_own_form, native_split, pickler_classes, ray_handle_types
+from ._wire.serialized import native_split, pickler_classes, ray_handle_types
 
 #: Leaves kept inside the skeleton, whatever their size: stored on their own, they would go
 #: through Ray's msgpack, where a ``bytearray`` or a ``memoryview`` arrives as ``bytes``.
@@ -250,14 +250,13 @@ class _Splitter:
 def _plain(cls: type) -> bool:
     """Whether an instance of ``cls`` (without pickling hooks of its own) is pickled in a
     split by pickle's own reduction and nothing else: no deep reducer, no pickling code of
-    its own, no form of refshare's (exact tensors and arrays have one), and neither a
-    class nor a function (cloudpickle's). A metadata's many numpy scalars, say: asked
-    once per split, not once each."""
+    its own, not a leaf (exact arrays and tensors, which also have refshare's own forms),
+    and neither a class nor a function (cloudpickle's). A metadata's many numpy scalars,
+    say: asked once per split, not once each."""
     return not (
         issubclass(cls, type)
         or cls is FunctionType
         or leaf_digests.exact(cls) is not None
-        or has_own_form(cls)
         or deep_reducers.lookup(cls) is not None
         or runs_own_pickling(cls)
     )

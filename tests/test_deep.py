@@ -144,18 +144,24 @@ class Point:
         self.x = x
 
 
-def test_objects_of_one_class_are_each_pickled_as_they_pickle(readers: list[Any]) -> None:
+@pytest.mark.parametrize("deep", [None, False, True], ids=["default", "top-level", "deep"])
+def test_objects_of_one_class_are_each_pickled_as_they_pickle(
+    readers: list[Any], deep: bool | None
+) -> None:
     # A split asks once per class whether pickle's own reduction sends its objects; an
-    # object with a pickling hook of its own is still sent as its hook says.
+    # object with a pickling hook of its own is still sent as its hook says. To 3 workers
+    # in a call, in two calls.
     hooked = Point(3)
     hooked.__reduce_ex__ = lambda protocol: (str, (f"hooked {hooked.x}",))  # type: ignore[method-assign]
     value = {"m": member(1.0), "points": [Point(1), Point(2), hooked, Point(4)],
              "scalars": [np.int32(5), np.float64(2.5), np.int32(6)]}  # fmt: skip
-    shared = deep_fan_out(readers, value)
-    assert shared == fan_out(readers, value)
-    points = dict(shared[0][0][1])["points"]  # ("list", [each point described])
+    by_value = fan_out(readers, value)
+    shared_fan_out = refshare.shared_args(deep=deep)(fan_out)
+    for _ in range(2):
+        assert shared_fan_out(readers, value) == by_value
+        assert refshare.stats().puts == 1
+    points = dict(by_value[0][0][1])["points"]  # ("list", [each point described])
     assert ("str", "hooked 3") in points[1]
-    assert refshare.stats().puts == 1
 
 
 def test_torch_members_bf16_views_and_inference_mode(readers: list[Any]) -> None:

@@ -20,7 +20,6 @@ import functools
 import io
 import logging
 import pickle
-import sys
 import threading
 from typing import Any
 
@@ -51,14 +50,6 @@ def own_form(obj: Any) -> Any:
     """What refshare stores for ``obj`` where it has a cheaper form than Ray's pickling: a
     plain CPU tensor as its bytes, an array of strings joined; else ``None``."""
     return tensor_form(obj) or strings_form(obj)
-
-
-def has_own_form(cls: type) -> bool:
-    """Whether :func:`own_form` may give a form for an instance of ``cls``."""
-    return any(
-        cls is getattr(sys.modules.get(module), name, None)
-        for module, name in (("torch", "Tensor"), ("numpy", "ndarray"))
-    )
 
 
 def native_split(value: Any) -> tuple[bytes | None, Any]:
