@@ -270,6 +270,32 @@ def test_views_of_one_tensor_hash_its_memory_once_per_call(
     assert ran == ["_digest_elements"] * 4
 
 
+def test_rows_too_small_for_a_stamp_are_hashed_at_every_send_of_a_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = pytest.importorskip("torch")
+    from internals import Memo, TensorElements, identify
+
+    t = torch.zeros(64, 256)
+    assert t[:16].nelement() * t.element_size() < 256 << 10  # no stamp vouches for it
+    ran, memo = count_hashing(monkeypatch), Memo()
+    first = (identify(TensorElements(t[:16]), memo) or [None])[0]
+    t.numpy()[3, 5] = 1.0  # behind torch's back: no version counter moves
+    again = (identify(TensorElements(t[:16]), memo) or [None])[0]
+    assert first is not None and again not in (first, None)
+    assert ran == ["_digest_elements"] * 2
+    # Equal bytes, told apart by what the digest's head holds: dtype, shape, requires_grad.
+    zeros = [
+        torch.zeros(16, 256),
+        torch.zeros(16, 256, dtype=torch.int32),
+        torch.zeros(256, 16),
+        torch.zeros(4096),
+        torch.zeros(16, 256, requires_grad=True),
+    ]
+    keys = [fingerprint(TensorElements(z)) for z in zeros]
+    assert None not in keys and len(set(keys)) == len(keys)
+
+
 def test_reuse_finds_views_made_again_until_their_tensor_changes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -87,7 +87,7 @@ def _plain(t: Any) -> Any:
     if (
         type(t) is not torch.Tensor
         or t.layout != torch.strided
-        or t.device.type != "cpu"
+        or not t.is_cpu  # (a plain tensor's device, as t.device.type == "cpu" reads it)
         or t.is_quantized
         or t.is_nested
         or tensor_state(t) is not None
@@ -147,17 +147,19 @@ def _tensor_state(t: Any, zero_copy: bool) -> tuple[str, Any]:
 def _checked_size(value: Any, batch_size: int | None) -> int | None:
     """``contiguous()`` stores every field again through ``__setitem__``, which checks its
     length against the batch size, or sets the batch size if it is still unset."""
-    length = len(value)
+    if type(value) is sys.modules["torch"].Tensor and value.dim():
+        length = value.shape[0]  # what len() gives, without torch's __len__ in Python
+    else:
+        length = len(value)  # (a 0-d tensor raises, as in __setitem__)
     if batch_size is not None and length != batch_size:
         raise ValueError(f"a batch field of {length} rows in a batch of {batch_size}")
     return length if batch_size is None else batch_size
 
 
-def _field_state(value: Any, zero_copy: bool, module: Any) -> Any:
+def _field_state(value: Any, zero_copy: bool, tensor_list: Any, packed: Any) -> Any:
     """One field as ``__getstate__`` sends it: a tensor, or a ``TensorList``'s tensors, or a
-    ``PackedTensor``'s values and offsets (classes of the batch's own module, exactly)."""
-    tensor_list = getattr(module, "TensorList", None)
-    packed = getattr(module, "PackedTensor", None)
+    ``PackedTensor``'s values and offsets (``tensor_list``, ``packed``: those classes of the
+    batch's own module, exactly, where it has them)."""
     if tensor_list is not None and isinstance(value, tensor_list):
         if type(value) is not tensor_list:
             raise Unfingerprintable(f"a {type(value).__qualname__}")
@@ -183,6 +185,8 @@ def tensor_batch_fingerprint(batch: Any) -> Any:
     if not hasattr(module, "_serialize_tensor") or "__reduce__" not in base.__dict__:
         raise Unfingerprintable("a TensorBatch of a layout refshare has not read")
     zero_copy_keys: frozenset[str] = getattr(batch, "ZERO_COPY_KEYS", frozenset())  # 0.4.0 on
+    tensor_list = getattr(module, "TensorList", None)
+    packed = getattr(module, "PackedTensor", None)
     batch_size = batch._batch_size
     fields: list[tuple[Any, Any]] = []
     for key, value in batch.items():
@@ -190,7 +194,8 @@ def tensor_batch_fingerprint(batch: Any) -> Any:
             fields.append((key, None))
             continue
         batch_size = _checked_size(value, batch_size)
-        fields.append((key, _field_state(value, key in zero_copy_keys, module)))
+        state = _field_state(value, key in zero_copy_keys, tensor_list, packed)
+        fields.append((key, state))
     device = batch._device
     if device is not None and device != sys.modules["torch"].device("cpu"):
         raise ValueError("Tensors must be on CPU before serialization")
@@ -213,9 +218,11 @@ def _sent_nbytes(t: Any, torch_format: bool) -> int:
 
 def _tensor_nbytes(t: Any) -> int:
     torch = sys.modules["torch"]
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-        return 0
-    return _sent_nbytes(t, not _numpy_has(t.dtype))
+    if type(t) is torch.Tensor:
+        cpu = t.is_cpu  # (a plain tensor's device, as t.device.type == "cpu" reads it)
+    else:
+        cpu = isinstance(t, torch.Tensor) and t.device.type == "cpu"
+    return _sent_nbytes(t, not _numpy_has(t.dtype)) if cpu else 0
 
 
 @sizes.registers_lazy(BATCH_MODULE, "TensorBatch")
@@ -229,8 +236,11 @@ def tensor_batch_size(batch: Any) -> int:
         tensors = getattr(value, "tensors", None)
         if tensors is None:
             packed = getattr(value, "cu_seqlens", None)
-            tensors = [value] if packed is None else [value.values, packed]
-        total += sum(_tensor_nbytes(t) for t in tensors)
+            if packed is None:
+                total += _tensor_nbytes(value)  # a tensor: most fields
+                continue
+            tensors = [value.values, packed]
+        total += sum(map(_tensor_nbytes, tensors))
     return total + metadata_size(batch.metadata)
 
 

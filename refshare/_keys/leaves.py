@@ -166,9 +166,19 @@ def _digest_storage(t: Any) -> Key:
     return digest_buffer(memoryview(storage_bytes(t)))
 
 
+#: What the digests of tensors' own elements start with, by dtype, shape and
+#: ``requires_grad`` (a batch's chunks have a handful of shapes): ``tagged``'s head, made once.
+_element_heads: dict[tuple[Any, tuple[int, ...], bool], bytes] = {}
+
+
 def _digest_elements(t: Any) -> Key:
-    head = tagged("elements", str(t.dtype), tuple(t.shape), t.requires_grad)
-    return digest_with(head, element_bytes(t))
+    meta = (t.dtype, tuple(t.shape), t.requires_grad)
+    head = _element_heads.get(meta)
+    if head is None:
+        if len(_element_heads) >= 4096:
+            _element_heads.clear()
+        head = _element_heads[meta] = repr(("elements", str(meta[0]), *meta[1:])).encode()
+    return digest_with(xxhash.xxh3_128(head, SEED), element_bytes(t))
 
 
 def _base(t: Any) -> Any:
@@ -190,8 +200,12 @@ def tensor_digest(t: Any, memo: Memo | None, reuse: bool) -> Key | None:
     _check_tensor(t, with_state=True)
     storage = t.untyped_storage()
     nbytes = storage.nbytes()
-    key = ("storage", storage.data_ptr(), nbytes)
-    body = leaf_digest(t, _digest_storage, memo, reuse, key, storage_stamp, _base(t))
+    body: Key | None
+    if not vouches_for(nbytes):
+        body = _digest_storage(t)  # no stamp could stand for it: straight to the hash
+    else:
+        key = ("storage", storage.data_ptr(), nbytes)
+        body = leaf_digest(t, _digest_storage, memo, reuse, key, storage_stamp, _base(t))
     if body is None:
         return None
     head = _tensor_head(t, nbytes)
@@ -205,6 +219,8 @@ def _elements_digest(wrapper: TensorElements, memo: Memo | None, reuse: bool) ->
     (if a stamp may vouch for them, see ``vouches_for``)."""
     t = wrapper.tensor
     _check_tensor(t)
+    if not vouches_for(t.nelement() * t.element_size()):
+        return _digest_elements(t)  # no stamp could stand for it: straight to the hash
     base = _base(t)
     layout = (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
     key = ("elements", id(base), layout, t.is_conj(), t.is_neg())

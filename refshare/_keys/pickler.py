@@ -156,6 +156,7 @@ class _FingerprintPickler(pickle.Pickler):
         self.strict = strict
         self.tensors = False  # whether a tensor was hashed as torch's pickling sends it
         self.classes: dict[type, object] = {}  # see class_key
+        self.handles = serialized.ray_handle_types()
         super().__init__(self.stream, protocol=5, buffer_callback=self._hash_buffer)
 
     def _hash_buffer(self, buffer: pickle.PickleBuffer) -> None:
@@ -165,7 +166,7 @@ class _FingerprintPickler(pickle.Pickler):
         cls = type(obj)
         if cls is types.FunctionType and obj in _STAND_INS:
             return NotImplemented
-        if isinstance(obj, serialized.ray_handle_types()):
+        if isinstance(obj, self.handles):
             raise serialized.HoldsRayHandles(cls.__qualname__)
         leaf = leaf_digests.exact(cls)
         if leaf is not None:

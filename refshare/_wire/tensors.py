@@ -27,28 +27,34 @@ from . import bootstrap
 
 
 class _StorageView:
-    """A storage's memory as numpy sees it, holding the storage alive meanwhile."""
+    """``nbytes`` of a storage's memory from byte ``start``, as numpy sees it, holding the
+    storage alive meanwhile."""
 
     __slots__ = ("__array_interface__", "storage")
 
-    def __init__(self, storage: Any) -> None:
+    def __init__(self, storage: Any, start: int, nbytes: int) -> None:
         self.storage = storage
         self.__array_interface__ = {
-            "data": (storage.data_ptr(), False),
-            "shape": (storage.nbytes(),),
+            "data": (storage.data_ptr() + start, False),
+            "shape": (nbytes,),
             "typestr": "|u1",
             "version": 3,
         }
 
 
-def storage_bytes(t: Any) -> Any:
-    """The tensor's whole storage as a flat uint8 numpy array, without a copy.
-
-    Read through the storage's address, not ``.numpy()``: that would mark the storage as
-    shared with numpy, which torch then refuses to resize, for refshare and for the user."""
+def _bytes_of(storage: Any, start: int, nbytes: int) -> Any:
+    """``nbytes`` of ``storage`` from byte ``start`` as a flat uint8 numpy array, without a
+    copy. Read through the storage's address, not ``.numpy()``: that would mark the storage
+    as shared with numpy, which torch then refuses to resize, for refshare and for the user."""
     import numpy as np
 
-    return np.asarray(_StorageView(t.untyped_storage()))
+    return np.asarray(_StorageView(storage, start, nbytes))
+
+
+def storage_bytes(t: Any) -> Any:
+    """The tensor's whole storage as a flat uint8 numpy array, without a copy."""
+    storage = t.untyped_storage()
+    return _bytes_of(storage, 0, storage.nbytes())
 
 
 def element_bytes(t: Any) -> Any:
@@ -56,8 +62,8 @@ def element_bytes(t: Any) -> Any:
     of its storage when it is contiguous, else a copy (what ``t.contiguous()`` would send)."""
     if not t.is_contiguous():
         t = t.contiguous()
-    start = t.storage_offset() * t.element_size()
-    return storage_bytes(t)[start : start + t.nelement() * t.element_size()]
+    size = t.element_size()
+    return _bytes_of(t.untyped_storage(), t.storage_offset() * size, t.nelement() * size)
 
 
 def pickled_as_storage(t: Any, with_state: bool = False) -> bool:
