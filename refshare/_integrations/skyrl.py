@@ -87,7 +87,7 @@ def _plain(t: Any) -> Any:
     if (
         type(t) is not torch.Tensor
         or t.layout != torch.strided
-        or not t.is_cpu  # (a plain tensor's device, as t.device.type == "cpu" reads it)
+        or not t.is_cpu  # of an exact tensor, what t.device.type == "cpu" says, cheaper
         or t.is_quantized
         or t.is_nested
         or tensor_state(t) is not None
@@ -219,7 +219,7 @@ def _sent_nbytes(t: Any, torch_format: bool) -> int:
 def _tensor_nbytes(t: Any) -> int:
     torch = sys.modules["torch"]
     if type(t) is torch.Tensor:
-        cpu = t.is_cpu  # (a plain tensor's device, as t.device.type == "cpu" reads it)
+        cpu = t.is_cpu  # of an exact tensor, what t.device.type == "cpu" says, cheaper
     else:
         cpu = isinstance(t, torch.Tensor) and t.device.type == "cpu"
     return _sent_nbytes(t, not _numpy_has(t.dtype)) if cpu else 0
