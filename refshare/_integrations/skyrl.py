@@ -218,11 +218,9 @@ def _sent_nbytes(t: Any, torch_format: bool) -> int:
 
 def _tensor_nbytes(t: Any) -> int:
     torch = sys.modules["torch"]
-    if type(t) is torch.Tensor:
-        cpu = t.is_cpu  # of an exact tensor, what t.device.type == "cpu" says, cheaper
-    else:
-        cpu = isinstance(t, torch.Tensor) and t.device.type == "cpu"
-    return _sent_nbytes(t, not _numpy_has(t.dtype)) if cpu else 0
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        return 0
+    return _sent_nbytes(t, not _numpy_has(t.dtype))
 
 
 @sizes.registers_lazy(BATCH_MODULE, "TensorBatch")

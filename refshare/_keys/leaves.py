@@ -7,6 +7,7 @@ layout, flags and whole storage (a view pickles its whole storage too).
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -166,18 +167,15 @@ def _digest_storage(t: Any) -> Key:
     return digest_buffer(memoryview(storage_bytes(t)))
 
 
-#: What the digests of tensors' own elements start with, by dtype, shape and
-#: ``requires_grad`` (a batch's chunks have a handful of shapes): ``tagged``'s head, made once.
-_element_heads: dict[tuple[Any, tuple[int, ...], bool], bytes] = {}
+@functools.lru_cache(maxsize=4096)
+def _elements_head(dtype: Any, shape: tuple[int, ...], requires_grad: bool) -> bytes:
+    """What a digest of a tensor's own elements starts with (as ``tagged`` makes it), made
+    once per dtype, shape and ``requires_grad``: a batch's chunks have a handful of shapes."""
+    return repr(("elements", str(dtype), shape, requires_grad)).encode()
 
 
 def _digest_elements(t: Any) -> Key:
-    meta = (t.dtype, tuple(t.shape), t.requires_grad)
-    head = _element_heads.get(meta)
-    if head is None:
-        if len(_element_heads) >= 4096:
-            _element_heads.clear()
-        head = _element_heads[meta] = repr(("elements", str(meta[0]), *meta[1:])).encode()
+    head = _elements_head(t.dtype, tuple(t.shape), t.requires_grad)
     return digest_with(xxhash.xxh3_128(head, SEED), element_bytes(t))
 
 

@@ -154,7 +154,7 @@ def tensor_stamp(t: Any) -> Stamp:
 def elements_stamp(t: Any) -> Stamp:
     """As :func:`tensor_stamp`, spot-checking the tensor's own elements (what a
     ``TensorElements`` sends): a chunk's rows, not its parent's whole storage."""
-    if not vouches_for(t.nelement() * t.element_size()) or not _stampable(t):
+    if not _stampable(t) or not vouches_for(t.nelement() * t.element_size()):
         return None
     # A strided tensor's elements would have to be copied to be read: its storage is read.
     data = element_bytes(t) if t.is_contiguous() else storage_bytes(t)
@@ -165,7 +165,7 @@ def elements_stamp(t: Any) -> Stamp:
 def storage_stamp(t: Any) -> Stamp:
     """A storage, stamped through any tensor on it: views share its version counter."""
     storage = t.untyped_storage()
-    if not vouches_for(storage.nbytes()) or not _stampable(t):
+    if not _stampable(t) or not vouches_for(storage.nbytes()):
         return None
     where = (t._version, storage.data_ptr(), storage.nbytes())
     spot = spot_check(_elements_of(storage_bytes(t), t.element_size()))
