@@ -20,7 +20,9 @@ def setup_lines(results: dict[str, Any], workers: str, strategies: Sequence[str]
         f"{c['store_bytes'] // MiB} MiB)`, {workers}, store warmed before timing. "
         f"{c['steps']} timed steps after {c['warmup']} untimed, the {NUMBERS[len(strategies)]} "
         "strategies interleaved (each leads in turn; plain runs twice, the second time as the "
-        "control; the ideal's turn follows an untimed record of the step, see below); each "
+        "control; the audit and the control run right after plain, plain right after the "
+        "ideal, so that none of them meets a store a sharing strategy's cache has just "
+        "filled; the ideal's turn follows an untimed record of the step, see below); each "
         "turn gets its own copy of the step's batch, new content every step.",
         "",
     ]
