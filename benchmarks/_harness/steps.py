@@ -42,7 +42,7 @@ WITH_AUTO = STRATEGIES
 #: run right after plain, and plain right after the ideal, whose puts die with its turn: each
 #: meets an object store that no sharing strategy's cache has just filled. After one that
 #: has, Ray's puts land on memory the driver has not touched yet: on verl's legacy flow an
-#: audit turn right after the default's, its keying switched off, took 30,000 more page
+#: audit turn right after the default's, its keying switched off, took 33,000 more page
 #: faults and 86 ms more CPU time a step than plain, a cost no audit-only job pays.
 RUN_ORDER = ("refshare", "deep", AUTO, IDEAL, "plain", AUDIT, "control")
 #: The untimed pass of the step just before the ideal's turn (see ``_harness.ideal``): not a
