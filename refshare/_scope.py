@@ -211,9 +211,9 @@ class Scope:
         """
         kind = _admission.kind(value, nbytes)
         admission = self.cache.admission if self.cache is not None else None
-        way = self.route(value, kind, admission)
+        way, asked = self.route(value, kind, admission)
         if way is Route.WHOLE:
-            return self.store(value, nbytes, fallback, admission, kind, put=put)
+            return self.store(value, nbytes, fallback, admission, kind, asked, put)
         if way is Route.COLD:
             assert admission is not None  # only the admission says cold
             return self.store_cold(value, nbytes, fallback, admission, kind)
@@ -257,27 +257,39 @@ class Scope:
         if not isinstance(found.result, Skeleton):
             self.hit(1, found.nbytes, found.nbytes, 0)
 
-    def route(self, value: Any, kind: _admission.Kind, admission: Admission | None) -> Route:
-        """How an argument is sent, decided before anything is split: the first rule that
-        applies, in this order (the admission is asked last: asking counts a probe).
+    def route(
+        self, value: Any, kind: _admission.Kind, admission: Admission | None
+    ) -> tuple[Route, bool]:
+        """How an argument is sent, decided before anything is split, and whether the
+        admission was asked (asking counts a probe: it is asked once). The first rule that
+        applies, in this order:
 
-        - ``deep=False``, a leaf (an array, a tensor, bytes, a str), or a type never split
-          (SkyRL's batch): ``WHOLE``;
-        - ``deep=None`` and a type taught by ``register_fingerprint``: ``WHOLE``;
-        - ``deep=True``, or its kind has had members sent again: ``SPLIT``;
-        - its kind has not repeated lately (see ``refshare._admission``): ``COLD``;
+        - ``deep=True``, or (``deep=None``) its kind has had members sent again: ``WHOLE``
+          for a leaf (an array, a tensor, bytes, a str), a type never split (SkyRL's batch)
+          or (``deep=None``) a type taught by ``register_fingerprint``; else ``SPLIT``;
+        - its kind has not repeated lately (see ``refshare._admission``): ``COLD``, asked
+          before the type's tables, as most values of a flow that sends a new batch on every
+          call are cold, and a cold value is put whatever its type;
+        - ``deep=False``, a leaf, a type never split, or (``deep=None``) a type taught by
+          ``register_fingerprint``: ``WHOLE``;
         - anything else: ``PROBE``.
         """
         cls = type(value)
-        if self.deep is False or leaf_digests.exact(cls) is not None or never_split(cls):
-            return Route.WHOLE
-        if self.deep is None and user_fingerprints.lookup(cls) is not None:
-            return Route.WHOLE
-        if self.deep is True or self.splitting.repeats(kind):
-            return Route.SPLIT
+        if self.deep is True or (self.deep is None and self.splitting.repeats(kind)):
+            return (Route.WHOLE if self.whole(cls) else Route.SPLIT), False
         if admission is not None and not admission.keyed(kind):
-            return Route.COLD
-        return Route.PROBE
+            return Route.COLD, True
+        asked = admission is not None
+        if self.deep is False or self.whole(cls):
+            return Route.WHOLE, asked
+        return Route.PROBE, asked
+
+    def whole(self, cls: type) -> bool:
+        """Whether values of ``cls`` are keyed whole, never split: a leaf, a type never
+        split, or (``deep=None``) a type taught by ``register_fingerprint``."""
+        if leaf_digests.exact(cls) is not None or never_split(cls):
+            return True
+        return self.deep is None and user_fingerprints.lookup(cls) is not None
 
     def store_split(self, found: Split, fallback: Any, inline: bool) -> Any:
         """Store each member of ``found`` by content (several that no scope or cache holds
