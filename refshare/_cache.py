@@ -279,6 +279,10 @@ class PutLocks:
     def __init__(self) -> None:
         self._locks = [threading.RLock() for _ in range(PUT_LOCKS)]
 
+    def holding_one(self, key: Hashable) -> threading.RLock:
+        """The lock of ``key``, to hold (``with``): :meth:`holding` of one key, cheaper."""
+        return self._locks[hash(key) % PUT_LOCKS]
+
     @contextlib.contextmanager
     def holding(self, keys: Iterable[Hashable]) -> Iterator[None]:
         """Hold the locks of ``keys``, taken in one order so that two holders of several
@@ -292,11 +296,12 @@ class PutLocks:
 _store: tuple[object, int | None] | None = None
 
 
-def local_store_bytes() -> int | None:
+def local_store_bytes(session: tuple[str, str] | None = None) -> int | None:
     """The size of the local node's object store, read once per Ray session (``None`` when
-    it cannot be read)."""
+    it cannot be read). ``session``: the current one, where the caller has just read it."""
     global _store
-    session = current_session()
+    if session is None:
+        session = current_session()
     if _store is None or _store[0] != session:
         _store = (session, local_object_store_bytes() if session is not None else None)
     return _store[1]
@@ -308,11 +313,12 @@ def default_budget() -> int:
     return int(store * DEFAULT_STORE_FRACTION) if store else FALLBACK_MAX_BYTES
 
 
-def scope_budget() -> int:
+def scope_budget(session: tuple[str, str] | None = None) -> int:
     """What one scope may keep alive of the values it sent, whatever the cache's budget:
     half the local object store, so that with the cache's quarter it stays below the fill
-    level at which Ray starts spilling objects to disk (80%)."""
-    store = local_store_bytes()
+    level at which Ray starts spilling objects to disk (80%). ``session``: as for
+    :func:`local_store_bytes`."""
+    store = local_store_bytes(session)
     return int(store * SCOPE_STORE_FRACTION) if store else FALLBACK_MAX_BYTES
 
 

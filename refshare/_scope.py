@@ -501,7 +501,7 @@ class Scope:
         ref = self.lookup(keyed.key, keyed.nbytes)
         if ref is not None:
             return ref
-        with self.put_locks.holding((keyed.key,)):
+        with self.put_locks.holding_one(keyed.key):
             ref = self.lookup(keyed.key, keyed.nbytes)
             if ref is not None:
                 return ref
@@ -643,7 +643,7 @@ class Scope:
         """Count ``nbytes`` more of object store this scope keeps alive. Past its budget
         (half the local store), forget everything kept so far: a value sent again is then
         keyed again and found in the cache, or put again."""
-        if self.held and self.held + nbytes > scope_budget():
+        if self.held and self.held + nbytes > scope_budget(self.session):
             self.forget()
         self.held += nbytes
 
