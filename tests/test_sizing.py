@@ -88,3 +88,18 @@ def test_a_size_registered_for_ndarray_itself_is_used_in_lists() -> None:
     finally:
         refshare.register_size(np.ndarray, internals._ndarray_size)
     assert estimate_size(arrays) == 300
+
+
+def test_members_all_scalars_strings_or_row_bounds_count_as_the_walk_counts_them() -> None:
+    scalar = internals.SCALAR_BYTES
+    bounds = [(start, start + 8) for start in range(0, 128, 8)]  # a batch's row bounds
+    assert estimate_size(bounds) == 16 * 2 * scalar
+    assert estimate_size({"a": 1, "b": 2.0, "c": None, "d": True}) == 4 * scalar
+    assert estimate_size(["ab", "cde"]) == 5
+    assert estimate_size((b"ab", b"c")) == 3
+    assert estimate_size(["ab", 1]) == 2 + scalar  # a mix: walked member by member
+    assert estimate_size([(1, "x"), (2, "y")]) == 2 * (scalar + 1)
+    assert estimate_size({"bounds": bounds, "step": 3}) == 33 * scalar
+    # The limit still stops the count where the walk would have stopped.
+    assert internals.measure(["x" * 10] * 100, limit=50) == (50, False)
+    assert internals.measure([(1, 2)] * 100, limit=40) == (48, False)
