@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 from typing import Any
 
 import internals
@@ -268,6 +269,25 @@ def test_views_of_one_tensor_hash_its_memory_once_per_call(
     for _ in range(2):
         assert [(identify(TensorElements(c), memo) or [None])[0] for c in t.chunk(4)] == rows
     assert ran == ["_digest_elements"] * 4
+
+
+def test_a_torch_device_is_keyed_by_what_its_pickling_sends() -> None:
+    torch = pytest.importorskip("torch")
+    devices = ["cpu", "cuda", "cuda:0", "cuda:1", "meta"]
+    keys = [fingerprint(("on", torch.device(name))) for name in devices]
+    assert None not in keys and len(set(keys)) == len(devices)
+    assert fingerprint(("on", torch.device("cuda", 1))) == keys[devices.index("cuda:1")]
+    # A reducer registered for it is what Ray sends: the key follows that reducer.
+    tag = ["a"]
+    copyreg.pickle(torch.device, lambda d: (str, (f"{tag[0]}:{d}",)))
+    try:
+        before = fingerprint(("on", torch.device("cpu")))
+        tag[0] = "b"
+        after = fingerprint(("on", torch.device("cpu")))
+    finally:
+        del copyreg.dispatch_table[torch.device]
+    assert None not in (before, after) and len({before, after, keys[0]}) == 3
+    assert fingerprint(("on", torch.device("cpu"))) == keys[0]
 
 
 def test_rows_too_small_for_a_stamp_are_hashed_at_every_send_of_a_call(
