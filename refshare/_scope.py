@@ -22,6 +22,7 @@ from ._keys import Key, Keyed, Memo, identify
 from ._keys.leaves import small_array, small_array_digest
 from ._keys.pickler import learn_pickling, pickles_alike, pickling_classes, runs_own_pickling
 from ._keys.sizes import SCALARS, estimate_size, measure
+from ._keys.stamps import first_put
 from ._keys.structure import StampedMemo, structure_stamp
 from ._keys.tables import leaf_digests, user_fingerprints
 from ._options import Options
@@ -472,11 +473,16 @@ class Scope:
         it pickled to; within this scope it is not pickled again while its structure stamp
         holds, once each class whose pickling it runs has shown that pickling an unchanged
         value gives the same bytes (see :func:`pickles_alike`); a value ``ray.put``
-        (``put``) from its second put on (see :meth:`stamps`)."""
+        (``put``) from its second put on (see :meth:`stamps`), and so are its tensors
+        (see ``refshare._keys.stamps.first_put``)."""
         kept: Pickled | None = self.pickled.get(value)
         if kept is not None and pickles_alike(kept.classes):
             return Keyed(kept.key, value, kept.nbytes)
-        found = identify(value, self.memo, self.reuse, why)
+        if put and id(value) not in self.put_once:
+            with first_put():
+                found = identify(value, self.memo, self.reuse, why)
+        else:
+            found = identify(value, self.memo, self.reuse, why)
         if found is None:
             return None
         if found.serialized is not None:

@@ -24,7 +24,10 @@ from refshare._keys import leaves as leaf_digests  # which hash ran (by name)
 from refshare._keys.pickler import SERIALIZE_OBJECT_ARRAYS_FROM, _digest_array_list
 from refshare._keys.sizes import SCALAR_BYTES, _ndarray_size, measure
 from refshare._keys.stamps import _seen as digests_kept_across_calls
-from refshare._keys.stamps import array_trust
+from refshare._keys.stamps import (
+    array_trust,
+    first_put,  # keying as a call's first ray.put of a value
+)
 from refshare._keys.tables import Memo, Trust
 from refshare._ray import submit  # Ray's patch targets, to pretend Ray moved them
 from refshare._wire import serialized  # Ray's pickler, to pretend it is not as expected
@@ -50,6 +53,7 @@ __all__ = [
     "array_trust",
     "digest_buffer",
     "digests_kept_across_calls",
+    "first_put",
     "identify",
     "kind",
     "leaf_digests",

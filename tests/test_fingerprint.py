@@ -271,6 +271,22 @@ def test_views_of_one_tensor_hash_its_memory_once_per_call(
     assert ran == ["_digest_elements"] * 4
 
 
+def test_views_of_a_first_put_hash_their_memory_at_most_twice_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A value ``ray.put`` for the first time: its tensor is not stamped when first seen,
+    so the second view of the same memory hashes it again, and stamps it for the rest."""
+    torch = pytest.importorskip("torch")
+    from internals import Memo, first_put, identify
+
+    t = torch.randn(256, 1024)
+    expected = [fingerprint(chunk) for chunk in t.chunk(4)]
+    ran, memo = count_hashing(monkeypatch), Memo()
+    with first_put():
+        assert [(identify(c, memo) or [None])[0] for c in t.chunk(4)] == expected
+    assert ran == ["_digest_storage"] * 2
+
+
 def test_a_torch_device_is_keyed_by_what_its_pickling_sends() -> None:
     torch = pytest.importorskip("torch")
     devices = ["cpu", "cuda", "cuda:0", "cuda:1", "meta"]

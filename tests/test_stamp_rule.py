@@ -306,6 +306,34 @@ def test_a_large_array_changed_between_two_calls_arrives_new(
     assert_received_as_by_value(shared, by_value)
 
 
+def put_then_changed(
+    probe: Any, value: Any, changes: list[Callable[[], None]]
+) -> tuple[list[Any], list[Any]]:
+    """Within one ``sharing`` block: ``ray.put`` ``value``, then after each change put it
+    again; each ref's content as the worker sees it, against ``value`` by value then."""
+    shared, by_value = [], []
+    with refshare.sharing(min_bytes=MIN_BYTES):
+        for change in [lambda: None, *changes]:
+            change()
+            shared.append(ray.get(probe.describe.remote(ray.put(value)), timeout=60))
+            with refshare.sharing(enabled=False):
+                by_value.append(ray.get(probe.describe.remote(ray.put(value)), timeout=60))
+    return shared, by_value
+
+
+def test_a_large_tensor_put_once_is_hashed_again_when_put_again(probe: Any) -> None:
+    """A tensor first seen in a ``ray.put`` is not stamped then (most values are put once):
+    put again, it is hashed again, so a change behind torch's back arrives; from then on it
+    is stamped, and the documented blind spot applies to its later puts."""
+    torch = torch_or_skip()
+    t = torch.arange(float(1 << 18))  # float32: 1 MiB, stamped once seen twice
+    change = behind_torchs_back(t)
+    shared, by_value = put_then_changed(probe, t, [change, change])
+    assert by_value[0] != by_value[1] != by_value[2]
+    assert shared[:2] == by_value[:2]  # the first change, caught by hashing again
+    assert shared[2] == shared[1] != by_value[2]  # the second one: the blind spot
+
+
 class Serial:
     """Pickles with a new serial each time, as a class whose pickling is not deterministic."""
 

@@ -18,7 +18,7 @@ from .._rules import dispatch_entry, instance_hooks
 from .._wire.arrays import dtype_token, flat_bytes, memory_order
 from .._wire.strings import joined
 from .._wire.tensors import TensorElements, element_bytes, pickled_as_storage, storage_bytes
-from .stamps import elements_stamp, leaf_digest, storage_stamp, vouches_for
+from .stamps import elements_stamp, leaf_digest, storage_stamp, unstamped, vouches_for
 from .tables import DigestFn, Key, Memo, leaf_digests
 
 
@@ -214,7 +214,8 @@ def tensor_digest(t: Any, memo: Memo | None, reuse: bool) -> Key | None:
         body = _digest_storage(t)  # no stamp could stand for it: straight to the hash
     else:
         key = ("storage", storage.data_ptr(), nbytes)
-        body = leaf_digest(t, _digest_storage, memo, reuse, key, storage_stamp, _base(t))
+        lazy = unstamped(reuse)
+        body = leaf_digest(t, _digest_storage, memo, reuse, key, storage_stamp, _base(t), lazy)
     if body is None:
         return None
     head = _tensor_head(t, nbytes)
@@ -233,4 +234,5 @@ def _elements_digest(wrapper: TensorElements, memo: Memo | None, reuse: bool) ->
     base = _base(t)
     layout = (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
     key = ("elements", id(base), layout, t.is_conj(), t.is_neg())
-    return leaf_digest(t, _digest_elements, memo, reuse, key, elements_stamp, base)
+    lazy = unstamped(reuse)
+    return leaf_digest(t, _digest_elements, memo, reuse, key, elements_stamp, base, lazy)

@@ -3,15 +3,19 @@
 Within one call, an object hashed before is not hashed again while its stamp holds; across
 calls, only while nothing but torch's own version counter could have changed it and that
 counter has not moved, or while nothing can change it at all (see :func:`leaf_digest`).
-Only a leaf of ``STAMP_MIN_BYTES`` or more gets a stamp at all (see :func:`vouches_for`).
+Only a leaf of ``STAMP_MIN_BYTES`` or more gets a stamp at all (see :func:`vouches_for`),
+and a tensor first met in a value put once, only when it is seen again (see
+:func:`first_put`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any, NamedTuple
 
 import xxhash
@@ -234,6 +238,31 @@ def _trusted(trust: Trust, reuse: bool) -> bool:
     return trust == Trust.ALWAYS or (reuse and trust == Trust.PROMISED)
 
 
+#: Whether the value being keyed is one ``ray.put`` for the first time in its call (see
+#: :func:`first_put`).
+_first_put: ContextVar[bool] = ContextVar("refshare_first_put", default=False)
+
+
+@contextlib.contextmanager
+def first_put() -> Iterator[None]:
+    """Key a value ``ray.put`` for the first time in this call: its tensors are hashed, and
+    stamped only if they are seen again in the call (the second time they are hashed again,
+    then stamped). Most values put are put once, their ref being what travels, and a
+    stamp no later look compares costs a spot check for nothing; a value sent to several
+    workers is a task's argument, stamped at first sight."""
+    token = _first_put.set(True)
+    try:
+        yield
+    finally:
+        _first_put.reset(token)
+
+
+def unstamped(reuse: bool) -> bool:
+    """Whether a tensor seen for the first time in this call is left without a stamp (see
+    :func:`first_put`): not where digests are kept across calls (``reuse``)."""
+    return not reuse and _first_put.get()
+
+
 def leaf_digest(
     obj: object,
     leaf: Callable[[Any], Key | None],
@@ -242,6 +271,7 @@ def leaf_digest(
     memo_key: object = None,
     stamp_fn: Callable[[Any], Stamp] | None = None,
     anchor: object = None,
+    lazy: bool = False,
 ) -> Key | None:
     """Digest ``obj`` with ``leaf``, reusing an earlier digest where that is safe.
 
@@ -257,7 +287,8 @@ def leaf_digest(
     object: a tensor's storage, or its own elements. ``anchor`` (default ``obj``) is the
     object the digest is kept against, held or weakly referenced so that its memory cannot
     be freed and reused unseen: for a view, the tensor it views, so that the same memory
-    viewed again is found.
+    viewed again is found. ``lazy`` (see :func:`unstamped`): seen for the first time, the
+    object is hashed and kept in ``memo`` without a stamp, which no later look matches.
     """
     if stamp_fn is None:
         stamp_fn = stamps.exact(type(obj))
@@ -272,6 +303,9 @@ def leaf_digest(
         # CPU's cache, where the spot check costs next to nothing.
         digest = leaf(obj)
         if digest is not None:
+            if lazy and memo is not None:  # a stamp is taken if it is seen again
+                memo[memo_key] = MemoEntry(anchor, None, digest)
+                return digest
             stamped = stamp_fn(obj)
             if stamped is not None:
                 _keep(memo, memo_key, anchor, stamped, digest, reuse)
