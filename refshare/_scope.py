@@ -473,8 +473,9 @@ class Scope:
         it pickled to; within this scope it is not pickled again while its structure stamp
         holds, once each class whose pickling it runs has shown that pickling an unchanged
         value gives the same bytes (see :func:`pickles_alike`); a value ``ray.put``
-        (``put``) from its second put on (see :meth:`stamps`), and so are its tensors
-        (see ``refshare._keys.stamps.first_put``)."""
+        (``put``) only from its second put on (see :meth:`stamps`). The tensors of a value
+        put for the first time are stamped only once seen again in this scope (see
+        ``refshare._keys.stamps.first_put``)."""
         kept: Pickled | None = self.pickled.get(value)
         if kept is not None and pickles_alike(kept.classes):
             return Keyed(kept.key, value, kept.nbytes)
