@@ -321,6 +321,7 @@ def put_then_changed(
     return shared, by_value
 
 
+@pytest.mark.verify_off  # its third put is the blind spot, which verify closes
 def test_a_large_tensor_put_once_is_hashed_again_when_put_again(probe: Any) -> None:
     """A tensor first seen in a ``ray.put`` is not stamped then (most values are put once):
     put again, it is hashed again, so a change behind torch's back arrives; from then on it
