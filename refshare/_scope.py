@@ -8,6 +8,7 @@ the cache, or put in its stored form (see ``refshare._wire``).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 from typing import Any, NamedTuple
@@ -266,13 +267,11 @@ class Scope:
         applies, in this order:
 
         - ``deep=True``, or (``deep=None``) its kind has had members sent again: ``WHOLE``
-          for a leaf (an array, a tensor, bytes, a str), a type never split (SkyRL's batch)
-          or (``deep=None``) a type taught by ``register_fingerprint``; else ``SPLIT``;
+          for a type keyed whole (see :meth:`whole`), else ``SPLIT``;
         - its kind has not repeated lately (see ``refshare._admission``): ``COLD``, asked
           before the type's tables, as most values of a flow that sends a new batch on every
           call are cold, and a cold value is put whatever its type;
-        - ``deep=False``, a leaf, a type never split, or (``deep=None``) a type taught by
-          ``register_fingerprint``: ``WHOLE``;
+        - ``deep=False``, or a type keyed whole: ``WHOLE``;
         - anything else: ``PROBE``.
         """
         cls = type(value)
@@ -479,10 +478,8 @@ class Scope:
         kept: Pickled | None = self.pickled.get(value)
         if kept is not None and pickles_alike(kept.classes):
             return Keyed(kept.key, value, kept.nbytes)
-        if put and id(value) not in self.put_once:
-            with first_put():
-                found = identify(value, self.memo, self.reuse, why)
-        else:
+        first = put and id(value) not in self.put_once
+        with first_put() if first else contextlib.nullcontext():
             found = identify(value, self.memo, self.reuse, why)
         if found is None:
             return None
