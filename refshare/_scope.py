@@ -383,12 +383,13 @@ class Scope:
         """``value`` pickled with its large members taken out and keyed; ``None`` for a
         value without large members. Within this scope a value is split once while its
         structure stamp holds (a value ``ray.put``, ``put``: from its second put on, see
-        :meth:`stamps`)."""
+        :meth:`stamps`; its members' tensors stamped as :meth:`first_sight` says)."""
         found: Split | None = self.splits.get(value)
         if found is not None:
             return found
         try:
-            found = split(value, self.key_member, self.min_bytes, strict=self.deep is None)
+            with self.first_sight(value, put):
+                found = split(value, self.key_member, self.min_bytes, strict=self.deep is None)
         except NotSplittable:
             return None
         except Exception:
@@ -412,6 +413,14 @@ class Scope:
         # Only its id is kept: an id recycled meanwhile at worst stamps a value.
         self.put_once.add(id(value))
         return False
+
+    def first_sight(self, value: Any, put: bool) -> contextlib.AbstractContextManager[None]:
+        """Where ``value`` is keyed: the tensors of a value ``ray.put`` (``put``) for the first
+        time in this call, whole or member by member, are stamped only once seen again (see
+        ``refshare._keys.stamps.first_put``)."""
+        if put and id(value) not in self.put_once:
+            return first_put()
+        return contextlib.nullcontext()
 
     def key_member(self, member: Any, nbytes: int) -> Keyed | None:
         digest = small_array_digest(member)  # the many small arrays of a batch: hashed now
@@ -472,14 +481,12 @@ class Scope:
         it pickled to; within this scope it is not pickled again while its structure stamp
         holds, once each class whose pickling it runs has shown that pickling an unchanged
         value gives the same bytes (see :func:`pickles_alike`); a value ``ray.put``
-        (``put``) only from its second put on (see :meth:`stamps`). The tensors of a value
-        put for the first time are stamped only once seen again in this scope (see
-        ``refshare._keys.stamps.first_put``)."""
+        (``put``) only from its second put on (see :meth:`stamps`); its tensors are stamped as
+        :meth:`first_sight` says."""
         kept: Pickled | None = self.pickled.get(value)
         if kept is not None and pickles_alike(kept.classes):
             return Keyed(kept.key, value, kept.nbytes)
-        first = put and id(value) not in self.put_once
-        with first_put() if first else contextlib.nullcontext():
+        with self.first_sight(value, put):
             found = identify(value, self.memo, self.reuse, why)
         if found is None:
             return None

@@ -307,12 +307,12 @@ def test_a_large_array_changed_between_two_calls_arrives_new(
 
 
 def put_then_changed(
-    probe: Any, value: Any, changes: list[Callable[[], None]]
+    probe: Any, value: Any, changes: list[Callable[[], None]], deep: bool | None = None
 ) -> tuple[list[Any], list[Any]]:
     """Within one ``sharing`` block: ``ray.put`` ``value``, then after each change put it
     again; each ref's content as the worker sees it, against ``value`` by value then."""
     shared, by_value = [], []
-    with refshare.sharing(min_bytes=MIN_BYTES):
+    with refshare.sharing(min_bytes=MIN_BYTES, deep=deep):
         for change in [lambda: None, *changes]:
             change()
             shared.append(ray.get(probe.describe.remote(ray.put(value)), timeout=60))
@@ -330,6 +330,22 @@ def test_a_large_tensor_put_once_is_hashed_again_when_put_again(probe: Any) -> N
     t = torch.arange(float(1 << 18))  # float32: 1 MiB, stamped once seen twice
     change = behind_torchs_back(t)
     shared, by_value = put_then_changed(probe, t, [change, change])
+    assert by_value[0] != by_value[1] != by_value[2]
+    assert shared[:2] == by_value[:2]  # the first change, caught by hashing again
+    assert shared[2] == shared[1] != by_value[2]  # the second one: the blind spot
+
+
+@pytest.mark.verify_off  # its third put is the blind spot, which verify closes
+def test_a_large_tensor_in_a_value_split_on_its_first_put_is_hashed_again_when_put_again(
+    probe: Any,
+) -> None:
+    """The same for a tensor met as a member of a value split on its first put: hashed,
+    not stamped; put again, hashed again; then stamped, as in the test above."""
+    torch = torch_or_skip()
+    t = torch.arange(float(1 << 18))
+    value = {"t": t, "other": np.arange(1 << 16, dtype=np.float64)}
+    change = behind_torchs_back(t)
+    shared, by_value = put_then_changed(probe, value, [change, change], deep=True)
     assert by_value[0] != by_value[1] != by_value[2]
     assert shared[:2] == by_value[:2]  # the first change, caught by hashing again
     assert shared[2] == shared[1] != by_value[2]  # the second one: the blind spot
