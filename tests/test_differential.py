@@ -2,9 +2,10 @@
 
 Every generated value is built afresh for each way of sending it, sent by value and through
 refshare (top-level and deep, ``min_bytes`` small so that small values count as large),
-twice across two ``sharing`` blocks and twice within one block to two workers, with a change
-in place in between; the worker's :func:`describe_fully` of each submission must equal that
-of a by-value send of the value as it was at that moment.
+twice across two ``sharing`` blocks and twice within one block to two workers, or put three
+times within one block (``ray.put``, its ref sent), with a change in place after the first
+send; the worker's :func:`describe_fully` of each submission must equal that of a by-value
+send of the value as it was at that moment.
 
 The default run is derandomized and bounded for CI; ``REFSHARE_DIFFERENTIAL=long`` runs 20
 times the examples, randomly, for nightly runs.
@@ -129,6 +130,22 @@ def by_value(probe: Any, value: Any, twice: bool = False) -> Any:
     """:func:`submit` by value, also from inside a ``sharing`` block."""
     with refshare.sharing(enabled=False):
         return submit(probe, value, twice)
+
+
+def submit_put(probe: Any, value: Any, twice: bool = False) -> Any:
+    """``ray.put(value)``, its ref sent as :func:`submit` sends a value; or the name of what
+    the put raised."""
+    try:
+        ref = ray.put(value)
+    except Exception as error:
+        return f"put raised {type(error).__name__}"
+    return submit(probe, ref, twice)
+
+
+def put_by_value(probe: Any, value: Any, twice: bool = False) -> Any:
+    """:func:`submit_put` by value, also from inside a ``sharing`` block."""
+    with refshare.sharing(enabled=False):
+        return submit_put(probe, value, twice)
 
 
 def outcome(pending: Any) -> Outcome:
@@ -455,12 +472,36 @@ def within_one_call(workers: Workers, case: Case, **options: Any) -> Differences
     return [f for f in found if f is not None]
 
 
+def puts_within_one_call(workers: Workers, case: Case, **options: Any) -> Differences:
+    """One ``sharing`` block putting the value three times, each ref to a worker, a change
+    in place after the first: a value put for the first time in a call is keyed without
+    stamps, hashed again when put again, and stamped from then on."""
+    refshare.clear()
+    built = build(case.recipe, workers.actors)
+    value = built.value
+    with refshare.sharing(min_bytes=case.min_bytes, **options):
+        expected = put_by_value(workers.reference, value, case.twice)
+        got = submit_put(workers.first, value, case.twice)
+        changed = built.mutate(case.change)
+        expected_after = put_by_value(workers.reference, value, case.twice)
+        got_after = submit_put(workers.second, value, case.twice)
+        got_again = submit_put(workers.first, value, case.twice)
+    found = [
+        difference(expected, got, "first put"),
+        difference(expected_after, got_after, f"second put, after changing {changed}"),
+        difference(expected_after, got_again, "third put, unchanged"),
+    ]
+    return [f for f in found if f is not None]
+
+
 #: Each way of sending, by name: what the property tests and the exploration run.
 SCENARIOS = {
     "top-across-calls": lambda w, c: across_calls(w, c),
     "deep-across-calls": lambda w, c: across_calls(w, c, deep=True),
     "top-within-one-call": lambda w, c: within_one_call(w, c),
     "deep-within-one-call": lambda w, c: within_one_call(w, c, deep=True),
+    "puts-within-one-call": lambda w, c: puts_within_one_call(w, c),
+    "deep-puts-within-one-call": lambda w, c: puts_within_one_call(w, c, deep=True),
 }
 
 
