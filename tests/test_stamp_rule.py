@@ -260,7 +260,25 @@ def large_member() -> Case:
     return value, poke(value["big"])
 
 
-BLIND = {"top-level": large_top_level, "member": large_member}
+def tensor_set_on_another_tensors_storage() -> Case:
+    torch = torch_or_skip()
+    owner = torch.arange(float(1 << 17))  # float32, 512 KiB: stamped
+    t = torch.empty(0).set_(owner.untyped_storage(), 0, owner.shape)  # a counter of its own
+    index = unsampled(owner.numel())
+
+    def write() -> None:  # through torch's own operation, on the other tensor
+        before = t._version
+        owner[index : index + 1].add_(1)
+        assert t._version == before
+
+    return {"t": t, "other": large()}, write
+
+
+BLIND = {
+    "top-level": large_top_level,
+    "member": large_member,
+    "tensor set_ on a storage": tensor_set_on_another_tensors_storage,
+}
 
 
 @pytest.mark.verify_off  # what refshare sends without verify; verify catches it
