@@ -453,43 +453,27 @@ def across_calls(workers: Workers, case: Case, **options: Any) -> Differences:
     return [f for f in found if f is not None]
 
 
-def within_one_call(workers: Workers, case: Case, **options: Any) -> Differences:
+def within_one_call(workers: Workers, case: Case, put: bool = False, **options: Any) -> Differences:
     """One ``sharing`` block sending the value to two workers, a change in place between:
-    how each submission differs from by value."""
+    how each submission differs from by value. With ``put``, each send is a ``ray.put`` of
+    the value and its ref, and a third follows, unchanged: a value put for the first time in
+    a call is keyed without stamps, hashed again when put again, and stamped from then on."""
+    send, reference = (submit_put, put_by_value) if put else (submit, by_value)
     refshare.clear()
     built = build(case.recipe, workers.actors)
     value = built.value
     with refshare.sharing(min_bytes=case.min_bytes, **options):
-        expected = by_value(workers.reference, value, case.twice)
-        got = submit(workers.first, value, case.twice)
+        expected = reference(workers.reference, value, case.twice)
+        got = send(workers.first, value, case.twice)
         changed = built.mutate(case.change)
-        expected_after = by_value(workers.reference, value, case.twice)
-        got_after = submit(workers.second, value, case.twice)
-    found = [
-        difference(expected, got, "first worker"),
-        difference(expected_after, got_after, f"second worker, after changing {changed}"),
-    ]
-    return [f for f in found if f is not None]
-
-
-def puts_within_one_call(workers: Workers, case: Case, **options: Any) -> Differences:
-    """One ``sharing`` block putting the value three times, each ref to a worker, a change
-    in place after the first: a value put for the first time in a call is keyed without
-    stamps, hashed again when put again, and stamped from then on."""
-    refshare.clear()
-    built = build(case.recipe, workers.actors)
-    value = built.value
-    with refshare.sharing(min_bytes=case.min_bytes, **options):
-        expected = put_by_value(workers.reference, value, case.twice)
-        got = submit_put(workers.first, value, case.twice)
-        changed = built.mutate(case.change)
-        expected_after = put_by_value(workers.reference, value, case.twice)
-        got_after = submit_put(workers.second, value, case.twice)
-        got_again = submit_put(workers.first, value, case.twice)
-    found = [
-        difference(expected, got, "first put"),
-        difference(expected_after, got_after, f"second put, after changing {changed}"),
-        difference(expected_after, got_again, "third put, unchanged"),
+        expected_after = reference(workers.reference, value, case.twice)
+        after = [send(workers.second, value, case.twice)]
+        if put:
+            after.append(send(workers.first, value, case.twice))
+    found = [difference(expected, got, "first send")]
+    found += [
+        difference(expected_after, got_after, f"send {n}, after changing {changed}")
+        for n, got_after in enumerate(after, start=2)
     ]
     return [f for f in found if f is not None]
 
@@ -500,8 +484,8 @@ SCENARIOS = {
     "deep-across-calls": lambda w, c: across_calls(w, c, deep=True),
     "top-within-one-call": lambda w, c: within_one_call(w, c),
     "deep-within-one-call": lambda w, c: within_one_call(w, c, deep=True),
-    "puts-within-one-call": lambda w, c: puts_within_one_call(w, c),
-    "deep-puts-within-one-call": lambda w, c: puts_within_one_call(w, c, deep=True),
+    "puts-within-one-call": lambda w, c: within_one_call(w, c, put=True),
+    "deep-puts-within-one-call": lambda w, c: within_one_call(w, c, put=True, deep=True),
 }
 
 
