@@ -408,19 +408,21 @@ class Scope:
         (a stamp walks all of it once more): a task's argument always, as it usually goes to
         several workers; the value of a ``ray.put`` from its second put on, as most are put
         once (their ref is what travels)."""
-        if not put or id(value) in self.put_once:
+        if not self.put_first(value, put):
             return True
         # Only its id is kept: an id recycled meanwhile at worst stamps a value.
         self.put_once.add(id(value))
         return False
 
+    def put_first(self, value: Any, put: bool) -> bool:
+        """Whether ``value`` is being ``ray.put`` (``put``) for the first time in this call."""
+        return put and id(value) not in self.put_once
+
     def first_sight(self, value: Any, put: bool) -> contextlib.AbstractContextManager[None]:
-        """Where ``value`` is keyed: the tensors of a value ``ray.put`` (``put``) for the first
-        time in this call, whole or member by member, are stamped only once seen again (see
+        """Where ``value`` is keyed: the tensors of a value put for the first time in this
+        call, whole or member by member, are stamped only once seen again (see
         ``refshare._keys.stamps.first_put``)."""
-        if put and id(value) not in self.put_once:
-            return first_put()
-        return contextlib.nullcontext()
+        return first_put() if self.put_first(value, put) else contextlib.nullcontext()
 
     def key_member(self, member: Any, nbytes: int) -> Keyed | None:
         digest = small_array_digest(member)  # the many small arrays of a batch: hashed now

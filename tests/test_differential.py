@@ -126,10 +126,11 @@ def submit(probe: Any, value: Any, twice: bool = False) -> Any:
         return f"submission raised {type(error).__name__}"
 
 
-def by_value(probe: Any, value: Any, twice: bool = False) -> Any:
-    """:func:`submit` by value, also from inside a ``sharing`` block."""
+def by_value(probe: Any, value: Any, twice: bool = False, send: Any = submit) -> Any:
+    """``send`` (:func:`submit`, or :func:`submit_put`) by value, also from inside a
+    ``sharing`` block."""
     with refshare.sharing(enabled=False):
-        return submit(probe, value, twice)
+        return send(probe, value, twice)
 
 
 def submit_put(probe: Any, value: Any, twice: bool = False) -> Any:
@@ -140,12 +141,6 @@ def submit_put(probe: Any, value: Any, twice: bool = False) -> Any:
     except Exception as error:
         return f"put raised {type(error).__name__}"
     return submit(probe, ref, twice)
-
-
-def put_by_value(probe: Any, value: Any, twice: bool = False) -> Any:
-    """:func:`submit_put` by value, also from inside a ``sharing`` block."""
-    with refshare.sharing(enabled=False):
-        return submit_put(probe, value, twice)
 
 
 def outcome(pending: Any) -> Outcome:
@@ -458,15 +453,15 @@ def within_one_call(workers: Workers, case: Case, put: bool = False, **options: 
     how each submission differs from by value. With ``put``, each send is a ``ray.put`` of
     the value and its ref, and a third follows, unchanged: a value put for the first time in
     a call is keyed without stamps, hashed again when put again, and stamped from then on."""
-    send, reference = (submit_put, put_by_value) if put else (submit, by_value)
+    send = submit_put if put else submit
     refshare.clear()
     built = build(case.recipe, workers.actors)
     value = built.value
     with refshare.sharing(min_bytes=case.min_bytes, **options):
-        expected = reference(workers.reference, value, case.twice)
+        expected = by_value(workers.reference, value, case.twice, send)
         got = send(workers.first, value, case.twice)
         changed = built.mutate(case.change)
-        expected_after = reference(workers.reference, value, case.twice)
+        expected_after = by_value(workers.reference, value, case.twice, send)
         after = [send(workers.second, value, case.twice)]
         if put:
             after.append(send(workers.first, value, case.twice))
