@@ -37,7 +37,8 @@ def kind(value: object, nbytes: int) -> Kind:
 
 
 class Admission:
-    """Per kind of value: misses in a row, and how many values went by since it turned cold."""
+    """Per kind of value: misses in a row, and how many values went by since it turned cold
+    (put without keying, or keyed as a probe)."""
 
     __slots__ = ("_kinds", "_lock")
 
@@ -46,13 +47,17 @@ class Admission:
         self._lock = threading.Lock()
 
     def keyed(self, kind: Kind) -> bool:
-        """Whether to key the next value of ``kind``."""
+        """Whether to key the next value of ``kind`` (asking changes nothing)."""
         with self._lock:
             counts = self._kinds.get(kind)
-            if counts is None or counts[0] < COLD_AFTER:
-                return True
-            counts[1] += 1
-            return counts[1] % PROBE_EVERY == 0
+            return counts is None or counts[0] < COLD_AFTER or (counts[1] + 1) % PROBE_EVERY == 0
+
+    def passed(self, kind: Kind) -> None:
+        """Count a value of a cold ``kind`` put without being keyed."""
+        with self._lock:
+            counts = self._kinds.get(kind)
+            if counts is not None:
+                counts[1] += 1
 
     def record(self, kind: Kind, hit: bool) -> None:
         """Count a keyed value of ``kind`` that found its content cached, or did not."""
@@ -67,6 +72,8 @@ class Admission:
                 counts = self._kinds[kind] = [0, 0]
             else:
                 self._kinds.move_to_end(kind)
+            if counts[0] >= COLD_AFTER:
+                counts[1] += 1  # a probe: the next one is PROBE_EVERY values on
             counts[0] += 1
 
     def cold(self) -> list[Kind]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar, cast, overload
@@ -12,11 +11,11 @@ from typing import Any, TypeVar, cast, overload
 import ray
 import wrapt
 
+from . import _env
 from ._cache import process_cache
 from ._context import Frame, current_scope, enter, innermost, leave
 from ._keys.pickler import forget_pickling
-from ._keys.sizes import estimate_size
-from ._options import CacheOption, Options
+from ._options import Options, signed
 from ._ray.pickling import ensure_pickling_patch, self_pickling_types
 from ._ray.submit import ensure_installed, raw_put
 from ._scope import Scope
@@ -25,19 +24,12 @@ logger = logging.getLogger("refshare")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-#: Setting this environment variable to 1 makes every scope a pass-through.
-DISABLE_ENV = "REFSHARE_DISABLE"
-
 
 def clear() -> None:
     """Empty the process-wide cache (Ray frees each object once no task still uses it), and
     forget what refshare learned of which values repeat and which classes pickle alike."""
     process_cache().clear()
     forget_pickling()
-
-
-def _disabled_by_env() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 _warned_client = False
@@ -65,7 +57,7 @@ def _over_ray_client() -> bool:
 def _enter(options: Options, owner: object, site: str) -> Frame:
     """Enter a new scope (or none, when disabled) in this context; ``site`` names it (the
     decorated function, the block) in what verify mode reports."""
-    if not options.enabled or _disabled_by_env() or _over_ray_client():
+    if not options.enabled or _env.on(_env.DISABLE) or _over_ray_client():
         return enter(None, owner)
     ensure_installed()
     return enter(Scope(options, site), owner)
@@ -81,21 +73,9 @@ class sharing:
     threads started by hand do not.
     """
 
-    def __init__(
-        self,
-        *,
-        min_bytes: int | None = None,
-        cache: CacheOption = True,
-        enabled: bool = True,
-        reuse_fingerprints: bool = False,
-        puts: bool = True,
-        deep: bool | None = None,
-        verify: bool = False,
-        audit: bool = False,
-    ) -> None:
-        self._options = Options(
-            min_bytes, cache, enabled, reuse_fingerprints, puts, deep, verify, audit
-        )
+    @signed
+    def __init__(self, **options: Any) -> None:
+        self._options = Options(**options)
 
     def __enter__(self) -> sharing:
         caller = sys._getframe(1)
@@ -180,32 +160,11 @@ def shared_args(func: _F, /) -> _F: ...
 
 
 @overload
-def shared_args(
-    *,
-    min_bytes: int | None = None,
-    cache: CacheOption = True,
-    enabled: bool = True,
-    reuse_fingerprints: bool = False,
-    puts: bool = True,
-    deep: bool | None = None,
-    verify: bool = False,
-    audit: bool = False,
-) -> Callable[[_F], _F]: ...
+def shared_args(**options: Any) -> Callable[[_F], _F]: ...
 
 
-def shared_args(
-    func: _F | None = None,
-    /,
-    *,
-    min_bytes: int | None = None,
-    cache: CacheOption = True,
-    enabled: bool = True,
-    reuse_fingerprints: bool = False,
-    puts: bool = True,
-    deep: bool | None = None,
-    verify: bool = False,
-    audit: bool = False,
-) -> _F | Callable[[_F], _F]:
+@signed
+def shared_args(func: _F | None = None, /, **options: Any) -> _F | Callable[[_F], _F]:
     """Share the large arguments of every Ray call the decorated function submits.
 
     While the function runs, each top-level argument of each ``.remote()`` it makes (actor
@@ -252,9 +211,7 @@ def shared_args(
     Use bare (``@shared_args``) or with options (``@shared_args(min_bytes=1 << 20)``).
     Options are checked here, when decorating.
     """
-    decorate = _make_decorator(
-        Options(min_bytes, cache, enabled, reuse_fingerprints, puts, deep, verify, audit)
-    )
+    decorate = _make_decorator(Options(**options))
     return decorate if func is None else decorate(func)
 
 
@@ -262,11 +219,10 @@ def share(value: Any) -> ray.ObjectRef[Any]:
     """A content-addressed ``ray.put``: equal content gives the same ref.
 
     Uses the current scope's cache if called inside one, else the process-wide cache.
-    Values refshare cannot fingerprint are put as they are.
+    Values refshare cannot fingerprint are put as they are; in audit mode every value is
+    (Ray's own put), what sharing would do counted in the report.
     """
     current = current_scope()
     scope = current if isinstance(current, Scope) else Scope(Options(min_bytes=0), "share()")
-    if _disabled_by_env() or not scope.ready():
-        return cast("ray.ObjectRef[Any]", raw_put(value))
-    ref = scope.store(value, estimate_size(value), fallback=None)
+    ref = None if _env.on(_env.DISABLE) else scope.content_put(value)
     return cast("ray.ObjectRef[Any]", raw_put(value) if ref is None else ref)

@@ -9,16 +9,9 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-from . import _report, _stats
+from . import _ledger
 from ._admission import Admission, Splitting
-from ._ray.session import current_session, local_object_store_bytes
-
-#: Share of the local object store the process-wide cache may hold when no budget is given.
-DEFAULT_STORE_FRACTION = 0.25
-#: Share of the local object store one scope may keep alive (see ``scope_budget``).
-SCOPE_STORE_FRACTION = 0.5
-#: Budget used when the object store's size cannot be read.
-FALLBACK_MAX_BYTES = 2 << 30
+from ._pressure import default_budget
 
 
 def _check_max_bytes(max_bytes: object) -> int | None:
@@ -76,7 +69,6 @@ class RefCache:
 
     def __init__(self, max_bytes: int | None = None) -> None:
         self._max_bytes = _check_max_bytes(max_bytes)
-        self._counted = True  #: evictions count in stats() (an audit's cache: not)
         self._entries: OrderedDict[Hashable, CacheEntry] = OrderedDict()
         #: Group -> the keys of its entries.
         self._groups: dict[Hashable, list[Hashable]] = {}
@@ -243,11 +235,8 @@ class RefCache:
         return key, entry.holder
 
     def _count_eviction(self) -> None:
-        """In ``stats()`` (not an audit's cache), and in the report of the call site whose
-        put made room."""
-        if self._counted:
-            _stats.record_eviction()
-        _report.count_eviction()
+        """In the report of the call site whose put made room (an audit's: would have)."""
+        _ledger.count_eviction()
 
     def clear(self) -> None:
         """Drop every ref (Ray frees each object once no task or caller still uses it),
@@ -293,35 +282,6 @@ class PutLocks:
             yield
 
 
-_store: tuple[object, int | None] | None = None
-
-
-def local_store_bytes(session: tuple[str, str] | None = None) -> int | None:
-    """The size of the local node's object store, read once per Ray session (``None`` when
-    it cannot be read). ``session``: the current one, where the caller has just read it."""
-    global _store
-    if session is None:
-        session = current_session()
-    if _store is None or _store[0] != session:
-        _store = (session, local_object_store_bytes() if session is not None else None)
-    return _store[1]
-
-
-def default_budget() -> int:
-    """A quarter of the local node's object store."""
-    store = local_store_bytes()
-    return int(store * DEFAULT_STORE_FRACTION) if store else FALLBACK_MAX_BYTES
-
-
-def scope_budget(session: tuple[str, str] | None = None) -> int:
-    """What one scope may keep alive of the values it sent, whatever the cache's budget:
-    half the local object store, so that with the cache's quarter it stays below the fill
-    level at which Ray starts spilling objects to disk (80%). ``session``: as for
-    :func:`local_store_bytes`."""
-    store = local_store_bytes(session)
-    return int(store * SCOPE_STORE_FRACTION) if store else FALLBACK_MAX_BYTES
-
-
 _process_cache = RefCache()
 _audit_caches: weakref.WeakKeyDictionary[RefCache, RefCache] = weakref.WeakKeyDictionary()
 _audit_lock = threading.Lock()
@@ -335,7 +295,6 @@ def audit_cache(cache: RefCache) -> RefCache:
         found = _audit_caches.get(cache)
         if found is None:
             found = _audit_caches[cache] = RefCache(cache._max_bytes)
-            found._counted = False
         return found
 
 

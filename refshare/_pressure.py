@@ -1,4 +1,6 @@
-"""Letting go first: what refshare keeps alive yields to what the program holds.
+"""The local object store: its size, how full it is, and the budgets of what refshare keeps.
+
+Letting go first: what refshare keeps alive yields to what the program holds.
 
 Ray spills objects to disk once its object store is 80% full, and refuses a put it can
 neither fit nor spill. What refshare keeps alive (the values a scope sent, the cache's) is
@@ -24,9 +26,14 @@ from __future__ import annotations
 import threading
 import time
 
-from ._cache import local_store_bytes
-from ._ray.session import current_session, local_store_used
+from ._ray.session import current_session, local_object_store_bytes, local_store_used
 
+#: Share of the local object store the process-wide cache may hold when no budget is given.
+DEFAULT_STORE_FRACTION = 0.25
+#: Share of the local object store one scope may keep alive (see ``scope_budget``).
+SCOPE_STORE_FRACTION = 0.5
+#: Budget used when the object store's size cannot be read.
+FALLBACK_MAX_BYTES = 2 << 30
 #: Fill of the local object store past which refshare lets go of what it keeps, counted in
 #: the primary copies Ray must keep: well below the 80% at which Ray starts spilling, since
 #: the store also holds what processes still read (a worker's argument, mapped), which Ray
@@ -43,6 +50,35 @@ NEAR_FILL = 0.4
 SETTLE_AT_MOST = 0.25
 #: Seconds between readings while it waits.
 SETTLE_EVERY = 0.005
+
+
+_store: tuple[object, int | None] | None = None
+
+
+def local_store_bytes(session: tuple[str, str] | None = None) -> int | None:
+    """The size of the local node's object store, read once per Ray session (``None`` when
+    it cannot be read). ``session``: the current one, where the caller has just read it."""
+    global _store
+    if session is None:
+        session = current_session()
+    if _store is None or _store[0] != session:
+        _store = (session, local_object_store_bytes() if session is not None else None)
+    return _store[1]
+
+
+def default_budget() -> int:
+    """A quarter of the local node's object store."""
+    store = local_store_bytes()
+    return int(store * DEFAULT_STORE_FRACTION) if store else FALLBACK_MAX_BYTES
+
+
+def scope_budget(session: tuple[str, str] | None = None) -> int:
+    """What one scope may keep alive of the values it sent, whatever the cache's budget:
+    half the local object store, so that with the cache's quarter it stays below the fill
+    level at which Ray starts spilling objects to disk (80%). ``session``: as for
+    :func:`local_store_bytes`."""
+    store = local_store_bytes(session)
+    return int(store * SCOPE_STORE_FRACTION) if store else FALLBACK_MAX_BYTES
 
 
 class StoreGauge:

@@ -1,13 +1,16 @@
-"""Process-wide counters of what refshare shared, read as an immutable snapshot."""
+"""Process-wide counts of what refshare shared: the ledger summed, read as a snapshot."""
 
 from __future__ import annotations
 
 import threading
 from typing import Any, NamedTuple
 
+from . import _ledger
+
 
 class Stats(NamedTuple):
-    """What refshare did in this process since it started (or since :func:`reset_stats`).
+    """What refshare did in this process since it started (or since :func:`reset_stats`),
+    summed over every call site that shared (audits are left out).
 
     ``puts`` and ``bytes_put`` count values refshare stored with ``ray.put``; ``hits`` and
     ``bytes_saved`` count arguments that travelled as an existing ref instead of being
@@ -16,8 +19,9 @@ class Stats(NamedTuple):
     to Ray unchanged; ``put_calls`` counts ``ray.put`` calls made inside a scope that
     refshare answered by content (each also counts as a put or a hit); ``unkeyed`` counts
     the puts of values refshare did not key, being of a kind that has not repeated lately;
-    ``mismatches`` counts arguments that verify mode found would not reach the worker as
-    by value, and sent by value instead.
+    in verify mode, ``mismatches`` counts arguments found not to reach the worker as by
+    value, ``unverified`` those verify could not check (both sent by value instead), and
+    ``verified`` those checked and found exact.
     """
 
     puts: int = 0
@@ -29,12 +33,41 @@ class Stats(NamedTuple):
     put_calls: int = 0
     unkeyed: int = 0
     mismatches: int = 0
+    unverified: int = 0
+    verified: int = 0
 
 
+#: The ledger's field behind each of :class:`Stats`'s.
+_SOURCES = (
+    _ledger.PUTS,
+    _ledger.HITS,
+    _ledger.BYTES_DISTINCT,
+    _ledger.BYTES_REPEATED,
+    _ledger.EVICTIONS,
+    _ledger.BY_VALUE,
+    _ledger.PUT_CALLS,
+    _ledger.UNKEYED,
+    _ledger.MISMATCHES,
+    _ledger.UNVERIFIED,
+    _ledger.VERIFIED,
+)
 _lock = threading.Lock()
-_counts = [0] * len(Stats._fields)
-(_PUTS, _HITS, _BYTES_PUT, _BYTES_SAVED, _EVICTIONS, _BY_VALUE, _PUT_CALLS, _UNKEYED,
- _MISMATCHES) = range(len(Stats._fields))  # fmt: skip
+#: What the ledger's sums were at the last :func:`reset_stats`.
+_baseline = [0] * len(_ledger.FIELDS)
+
+
+def stats() -> Stats:
+    """Return a snapshot of refshare's counts for this process."""
+    totals = _ledger.sharing_totals()
+    with _lock:
+        return Stats(*(totals[i] - _baseline[i] for i in _SOURCES))
+
+
+def reset_stats() -> None:
+    """Set every count back to zero (``report()`` keeps its own)."""
+    totals = _ledger.sharing_totals()
+    with _lock:
+        _baseline[:] = totals
 
 
 _DESCRIPTIONS = {
@@ -47,80 +80,34 @@ _DESCRIPTIONS = {
     "put_calls": "ray.put calls inside a scope answered by content",
     "unkeyed": "Values put without keying: of a kind that has not repeated lately",
     "mismatches": "Arguments verify mode found would differ from by value, sent by value",
+    "unverified": "Arguments verify mode could not check, sent by value",
+    "verified": "Arguments verify mode checked and found exact",
 }
-
-#: Ray metric counters, one per field, once :func:`enable_metrics` was called.
-_metrics: list[Any] | None = None
 
 
 def enable_metrics(enabled: bool = True) -> None:
-    """Also export refshare's counters as Ray metrics (``ray.util.metrics.Counter``).
+    """Also export refshare's counts as Ray metrics (``ray.util.metrics.Counter``).
 
     They appear on Ray's metrics endpoint and dashboard as ``refshare_puts``,
     ``refshare_hits``, ``refshare_bytes_put``, ``refshare_bytes_saved``,
     ``refshare_evictions``, ``refshare_by_value``, ``refshare_put_calls``,
-    ``refshare_unkeyed`` and ``refshare_mismatches``, counted from the moment they are on.
+    ``refshare_unkeyed``, ``refshare_mismatches``, ``refshare_unverified`` and
+    ``refshare_verified``, counted from the moment they are on.
     """
-    global _metrics
     if not enabled:
-        _metrics = None
+        _ledger.set_metrics(None)
         return
     from ray.util.metrics import Counter
 
-    _metrics = [
-        Counter(f"refshare_{field}", description=_DESCRIPTIONS[field]) for field in Stats._fields
-    ]
+    counters: dict[int, Any] = {
+        source: Counter(f"refshare_{field}", description=_DESCRIPTIONS[field])
+        for field, source in zip(Stats._fields, _SOURCES, strict=True)
+    }
 
+    def export(pairs: tuple[tuple[int, int], ...]) -> None:
+        for field, amount in pairs:
+            counter = counters.get(field)
+            if counter is not None and amount > 0:
+                counter.inc(amount)
 
-def _add(index: int, nbytes_index: int | None = None, nbytes: int = 0, count: int = 1) -> None:
-    with _lock:
-        _counts[index] += count
-        if nbytes_index is not None:
-            _counts[nbytes_index] += nbytes
-    metrics = _metrics
-    if metrics is not None:
-        metrics[index].inc(count)
-        if nbytes_index is not None and nbytes > 0:
-            metrics[nbytes_index].inc(nbytes)
-
-
-def record_put(nbytes: int) -> None:
-    _add(_PUTS, _BYTES_PUT, nbytes)
-
-
-def record_hits(count: int, nbytes: int) -> None:
-    """``count`` hits of ``nbytes`` in all (a split argument's members)."""
-    if count:
-        _add(_HITS, _BYTES_SAVED, nbytes, count)
-
-
-def record_eviction() -> None:
-    _add(_EVICTIONS)
-
-
-def record_by_value() -> None:
-    _add(_BY_VALUE)
-
-
-def record_put_call() -> None:
-    _add(_PUT_CALLS)
-
-
-def record_unkeyed() -> None:
-    _add(_UNKEYED)
-
-
-def record_mismatch() -> None:
-    _add(_MISMATCHES)
-
-
-def stats() -> Stats:
-    """Return a snapshot of refshare's counters for this process."""
-    with _lock:
-        return Stats(*_counts)
-
-
-def reset_stats() -> None:
-    """Set every counter back to zero."""
-    with _lock:
-        _counts[:] = [0] * len(_counts)
+    _ledger.set_metrics(export)

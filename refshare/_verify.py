@@ -31,7 +31,6 @@ import contextlib
 import functools
 import io
 import logging
-import os
 import pickle
 import sys
 import threading
@@ -40,7 +39,7 @@ from typing import Any
 
 import ray
 
-from . import _stats
+from . import _env
 from ._hashing import Buffer, BufferHasher
 from ._keys.pickler import runs_own_pickling
 from ._keys.sizes import slot_names
@@ -51,14 +50,13 @@ from ._wire.tensors import pickled_as_storage, storage_bytes
 
 logger = logging.getLogger("refshare")
 
-#: Setting this environment variable to 1 turns verify mode on in every scope.
-VERIFY_ENV = "REFSHARE_VERIFY"
 #: How many stored objects' by-value digests are kept; the oldest are checked again.
 MAX_ENTRIES = 1 << 16
 
 
 def verify_by_env() -> bool:
-    return os.environ.get(VERIFY_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether ``REFSHARE_VERIFY`` turns verify mode on in every scope."""
+    return _env.on(_env.VERIFY)
 
 
 def _array(*description: object) -> None:
@@ -252,7 +250,6 @@ class Verifier:
             why = None if known == expected else "its content differs from the stored value's"
         if why is None:
             return sent
-        _stats.record_mismatch()
         logger.error(
             "refshare verify: %s sent as %s in %s would not reach the worker as by value "
             "(%s); sent by value",

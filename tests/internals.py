@@ -6,7 +6,8 @@ changes this file and not the tests. Each name says why a test needs it.
 
 from __future__ import annotations
 
-from refshare import _scope as scope  # what a call stores with, to make Ray refuse it
+from refshare._scope import memo as call_memo  # what a call keys with, to make it fail
+from refshare._scope import store as call_store  # what a call stores with, to make Ray refuse it
 from refshare._admission import (  # the counts that decide what is keyed
     COLD_AFTER,
     MAX_KINDS,
@@ -50,6 +51,8 @@ __all__ = [
     "_digest_array_list",
     "_enabled",
     "_ndarray_size",
+    "call_memo",
+    "call_store",
     "array_trust",
     "digest_buffer",
     "digests_kept_across_calls",
@@ -60,7 +63,6 @@ __all__ = [
     "measure",
     "process_cache",
     "register_tensor_batch",
-    "scope",
     "serialized",
     "submit",
 ]

@@ -71,7 +71,14 @@ def test_a_kind_turns_cold_after_misses_in_a_row_and_is_probed() -> None:
         admission.record(kind, hit=False)
     admission.record(kind, hit=False)
     assert admission.cold() == [kind]
-    keyed = [admission.keyed(kind) for _ in range(3 * PROBE_EVERY)]
+    keyed = []
+    for _ in range(3 * PROBE_EVERY):
+        keyed.append(admission.keyed(kind))
+        assert admission.keyed(kind) is keyed[-1]  # asking again: the same answer
+        if keyed[-1]:
+            admission.record(kind, hit=False)  # a probe that found nothing
+        else:
+            admission.passed(kind)  # a value put without keying
     assert keyed.count(True) == 3 and keyed[PROBE_EVERY - 1]  # every PROBE_EVERY-th
     admission.record(kind, hit=True)
     assert admission.cold() == [] and admission.keyed(kind)

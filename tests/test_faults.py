@@ -91,7 +91,7 @@ class TestOnTheSuitesRay:
         def send() -> list[Any]:
             return ray.get([w.apply.remote(summary, data) for w in survivors], timeout=60)
 
-        monkeypatch.setattr(internals.scope, "raw_put", full)  # Ray's put, beneath refshare
+        monkeypatch.setattr(internals.call_store, "raw_put", full)  # Ray's put, beneath refshare
         assert send() == [summary(data)] * 2
         assert refshare.stats().by_value == 2 and refshare.stats().puts == 0
         assert len(process_cache()) == 0
@@ -106,7 +106,7 @@ class TestOnTheSuitesRay:
         def broken(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("injected")
 
-        monkeypatch.setattr(internals.scope, "identify", broken)
+        monkeypatch.setattr(internals.call_memo, "identify", broken)
         data = marked(13, MiB)
         by_value, shared = by_value_and_shared(
             lambda: ray.get(survivors[0].apply.remote(summary, data), timeout=60)

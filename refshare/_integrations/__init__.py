@@ -13,6 +13,7 @@ import logging
 import os
 from typing import Any
 
+from .. import _env
 from .._options import Options
 from . import nemo_rl, openrlhf, roll, skyrl, verl
 from . import tensordict as tensordict  # registers TensorDict's fingerprint
@@ -22,7 +23,7 @@ from .methods import patch_methods, unpatch_methods
 logger = logging.getLogger("refshare")
 
 #: Comma-separated framework names that :func:`worker_setup` enables.
-ENABLE_ENV = "REFSHARE_ENABLE"
+ENABLE_ENV = _env.ENABLE
 
 #: What ``enable`` knows, by name.
 FRAMEWORKS: dict[str, Framework] = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any
 
 import ray
@@ -49,58 +51,55 @@ def stored_bytes(ref: Any, default: int) -> int:
 
 
 def local_store_used() -> int | None:
-    """The bytes the driver's node's object store must keep now (what Ray would spill to
-    make room, not what it can evict), or ``None`` if Ray does not say.
-
-    The raylet's own count of primary copies where its gRPC service can be asked (one call
-    of about 2 ms; the ``grpcio`` that ``ray[default]`` brings); else the objects this
-    process holds a reference to, each with its size, from its own core worker (no RPC):
-    what the program and refshare hold, without what other processes put on the node."""
+    """The bytes the driver's node's object store must keep now: the primary copies of the
+    objects workers put on it (what Ray would spill to make room, not the copies it can
+    evict), or ``None`` if Ray does not say. One request to the node's object store,
+    whatever the number of refs the program holds (see :func:`plasma_usage`)."""
     try:
-        return _raylet_store_used()
-    except Exception:
-        pass
-    try:
-        return _referenced_bytes()
+        return plasma_usage()["bytes created by worker"]
     except Exception:
         return None
 
 
-_raylet: tuple[object, Any] | None = None
+class _Usage(logging.Filter):
+    """Takes the one report of the object store's usage Ray logs, instead of logging it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = ""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("Plasma Store Usage"):
+            self.text = message
+            return False
+        return True
 
 
-def _raylet_store_used() -> int:
-    """The raylet's count, through a channel opened once per Ray session."""
-    global _raylet
-    from ray.core.generated import node_manager_pb2
-
-    session = current_session()
-    if _raylet is None or _raylet[0] != session:
-        _raylet = (session, _raylet_stub())
-    request = node_manager_pb2.GetNodeStatsRequest(  # type: ignore[attr-defined]
-        include_memory_info=False
-    )
-    stats = _raylet[1].GetNodeStats(request, timeout=5.0).store_stats
-    # Primary copies are what Ray spills and cannot evict; the rest of what the store holds
-    # (copies no reference keeps) it evicts when it needs the room.
-    return int(stats.object_store_bytes_primary_copy)
+_usage_lock = threading.Lock()
 
 
-def _raylet_stub() -> Any:
-    # Ray's own channel: it carries the cluster's authentication token, where there is one.
-    from ray._private.grpc_utils import init_grpc_channel
-    from ray.core.generated import node_manager_pb2_grpc
-
-    node: Any = ray._private.worker.global_worker.node
-    channel = init_grpc_channel(f"{node.node_ip_address}:{node.node_manager_port}")
-    return node_manager_pb2_grpc.NodeManagerServiceStub(channel)  # type: ignore[no-untyped-call]
-
-
-def _referenced_bytes() -> int:
-    from ray.experimental import get_local_object_locations
-
+def plasma_usage() -> dict[str, int]:
+    """The local object store's own counts (``bytes in use``, ``bytes created by worker``,
+    ...), asked of it directly by this process's core worker: one blocking request to the
+    store, with no gRPC. Ray hands the answer to its log (``CoreWorker.log_plasma_usage``):
+    it is taken from there, and not logged."""
     core = ray._private.worker.global_worker.core_worker  # type: ignore[attr-defined]
-    ids = core.get_all_reference_counts()
-    refs: list[Any] = [ray.ObjectRef(bytes.fromhex(i.decode())) for i in ids]
-    found = get_local_object_locations(refs)
-    return sum(int((found.get(ref) or {}).get("object_size") or 0) for ref in refs)
+    raylet_logger = logging.getLogger("ray._raylet")
+    usage = _Usage()
+    with _usage_lock:
+        level = raylet_logger.level
+        if not raylet_logger.isEnabledFor(logging.WARNING):
+            raylet_logger.setLevel(logging.WARNING)
+        raylet_logger.addFilter(usage)
+        try:
+            core.log_plasma_usage()
+        finally:
+            raylet_logger.removeFilter(usage)
+            raylet_logger.setLevel(level)
+    counts = {}
+    for line in usage.text.splitlines():
+        name, colon, number = line.lstrip("- ").partition(": ")
+        if colon and number.isdigit():
+            counts[name] = int(number)
+    return counts

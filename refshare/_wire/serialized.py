@@ -220,6 +220,16 @@ class PickleOnPut:
         self.value = value
 
 
+def stored_whole(value: Any, *, tensors: bool, pickled: Serialized | None = None) -> Any:
+    """What to put for ``value`` stored whole (see :func:`stored_form`): the pickle it was
+    keyed by, if it had to be pickled to be keyed; else, where it may hold tensors that
+    torch's pickling would send (``tensors``), the value pickled on put by refshare, its
+    tensors as their bytes; else the value as it is, for Ray to serialize."""
+    if pickled is not None:
+        return pickled
+    return PickleOnPut(value) if tensors else value
+
+
 def bundle_form(members: list[Any]) -> tuple[Any, ...] | None:
     """Several members of a deep-shared argument as one object to store: each pickled as
     Ray would pickle it alone (its tensors as their bytes), as its in-band pickle and its
@@ -248,10 +258,25 @@ def bundle_form(members: list[Any]) -> tuple[Any, ...] | None:
     return tuple(parts)
 
 
+class Bundle:
+    """New members of one split value, to be stored together (see :func:`bundle_form`)."""
+
+    __slots__ = ("members",)
+
+    def __init__(self, members: list[Any]) -> None:
+        self.members = members
+
+
 def stored_form(stored: Any) -> Any:
     """What ``ray.put`` stores for ``stored``: a plain CPU tensor as its storage's bytes, an
-    array of strings joined, a value holding tensors as refshare's own pickle of it,
+    array of strings joined, a value holding tensors as refshare's own pickle of it, a
+    :class:`Bundle` as :func:`bundle_form` (``ValueError`` where it cannot be made),
     anything else as it is."""
+    if isinstance(stored, Bundle):
+        form = bundle_form(stored.members)
+        if form is None:
+            raise ValueError("these members cannot be stored together")
+        return form
     if isinstance(stored, PickleOnPut):
         if not available():
             return stored.value

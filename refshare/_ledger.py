@@ -1,0 +1,221 @@
+"""One ledger: what each call site did, each event counted once.
+
+A call site is what opened a scope: the decorated function, the ``Class.method`` that
+``enable`` or ``patch_methods`` wrapped, or a ``sharing()`` block. Each scope counts into its
+site's :class:`Tally` (a few additions under one lock per large argument); ``report()``
+reads the tallies as they are, and ``stats()`` sums those of sharing (not of audits).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._context import current_scope
+
+#: What a tally counts, in the report's order.
+FIELDS = (
+    "calls",  #: scopes opened: calls of the function, ``sharing()`` blocks entered
+    "submissions",  #: ``.remote()`` calls made inside them
+    "arguments",  #: large arguments, ``ray.put`` and ``share()`` values seen
+    "bytes_sent",  #: their bytes: what Ray serializes and stores of them by value
+    "bytes_repeated",  #: of those, bytes sent before: not stored again
+    "bytes_repeated_in_call",  #: of the repeated, found in what the same call sent
+    "bytes_repeated_members",  #: of the repeated, members of split values (deep sharing)
+    "bytes_distinct",  #: of those, bytes stored (put) once each
+    "puts",  #: objects put
+    "hits",  #: stored objects found again (a split value's members each count)
+    "unkeyed",  #: values put without keying: of a kind that has not repeated lately
+    "put_calls",  #: ``ray.put`` calls answered by content
+    "by_value",  #: large arguments sent by value by refshare's choice (``reasons`` says why)
+    "verified",  #: arguments verify mode checked and found exact
+    "unverified",  #: arguments verify mode could not check, sent by value (``reasons``)
+    "mismatches",  #: arguments verify mode found would differ, sent by value
+    "evictions",  #: cache entries this site's puts made room for
+)
+(CALLS, SUBMISSIONS, ARGUMENTS, BYTES_SENT, BYTES_REPEATED, BYTES_IN_CALL, BYTES_MEMBERS,
+ BYTES_DISTINCT, PUTS, HITS, UNKEYED, PUT_CALLS, BY_VALUE, VERIFIED, UNVERIFIED, MISMATCHES,
+ EVICTIONS) = range(len(FIELDS))  # fmt: skip
+
+
+@dataclass
+class Tab:
+    """What one argument did, counted into the ledger once it is sent (see
+    :meth:`Ledger.argument`). Bytes repeated and distinct are counted as the stored objects
+    found or put weigh (a split value's members, its skeleton), and capped there at the
+    argument's own bytes, so that no argument repeats more than it sends."""
+
+    nbytes: int
+    hits: int = 0
+    repeated: int = 0
+    in_call: int = 0
+    members: int = 0
+    puts: int = 0
+    distinct: int = 0
+    unkeyed: int = 0
+    put_call: bool = False
+
+    def hit(self, count: int, nbytes: int, in_call: int = 0, members: int = 0) -> None:
+        self.hits += count
+        self.repeated += nbytes
+        self.in_call += in_call
+        self.members += members
+
+    def put(self, nbytes: int) -> None:
+        self.puts += 1
+        self.distinct += nbytes
+
+
+class Tally:
+    """The running counts of one call site, in one mode (sharing or audit)."""
+
+    __slots__ = ("_counts", "_lock", "_reasons", "audit", "site")
+
+    def __init__(self, site: str, audit: bool) -> None:
+        self.site = site
+        self.audit = audit
+        self._lock = threading.Lock()
+        self._counts = [0] * len(FIELDS)
+        #: (field, reason) -> how many: why values went by value, or were not verified
+        self._reasons: Counter[tuple[int, str]] = Counter()
+
+    def add(self, *pairs: tuple[int, int]) -> None:
+        """Add each ``(field, amount)``."""
+        with self._lock:
+            counts = self._counts
+            for field, amount in pairs:
+                counts[field] += amount
+        if _metrics is not None and not self.audit:
+            _metrics(pairs)
+
+    def note(self, field: int, reason: str) -> None:
+        """Count one event of ``field`` (by value, unverified), and why."""
+        with self._lock:
+            self._counts[field] += 1
+            self._reasons[(field, reason)] += 1
+        if _metrics is not None and not self.audit:
+            _metrics(((field, 1),))
+
+    def counts(self) -> list[int]:
+        with self._lock:
+            return list(self._counts)
+
+    def reasons(self, field: int) -> tuple[tuple[str, int], ...]:
+        """Why events of ``field`` happened, most frequent first."""
+        with self._lock:
+            found = Counter({why: n for (f, why), n in self._reasons.items() if f == field})
+        return tuple(found.most_common())
+
+
+class Ledger:
+    """What one scope counts into its site's tally."""
+
+    __slots__ = ("tally",)
+
+    def __init__(self, site: str, audit: bool) -> None:
+        self.tally = tally(site, audit)
+        self.tally.add((CALLS, 1))
+
+    @property
+    def audit(self) -> bool:
+        return self.tally.audit
+
+    def submission(self) -> None:
+        self.tally.add((SUBMISSIONS, 1))
+
+    def argument(self, tab: Tab) -> None:
+        """Count one argument sent: its bytes, and what its storing found and put."""
+        sent = tab.nbytes
+        repeated = min(tab.repeated, sent)
+        self.tally.add(
+            (ARGUMENTS, 1),
+            (BYTES_SENT, sent),
+            (BYTES_REPEATED, repeated),
+            (BYTES_IN_CALL, min(tab.in_call, repeated)),
+            (BYTES_MEMBERS, min(tab.members, repeated)),
+            (BYTES_DISTINCT, min(tab.distinct, sent - repeated)),
+            (PUTS, tab.puts),
+            (HITS, tab.hits),
+            (UNKEYED, tab.unkeyed),
+            (PUT_CALLS, int(tab.put_call)),
+        )
+
+    def by_value(self, reason: str) -> None:
+        self.tally.note(BY_VALUE, reason)
+
+    def verified(self) -> None:
+        self.tally.add((VERIFIED, 1))
+
+    def unverified(self, reason: str) -> None:
+        self.tally.note(UNVERIFIED, reason)
+
+    def mismatch(self) -> None:
+        self.tally.add((MISMATCHES, 1))
+
+
+_tallies: dict[tuple[str, bool], Tally] = {}
+_tallies_lock = threading.Lock()
+#: Counts of tallies forgotten by ``reset()``, so that sums read over the tallies go on.
+_retired = [0] * len(FIELDS)
+#: Called with each batch of ``(field, amount)`` counted while sharing (see ``_stats``).
+_metrics: Callable[[tuple[tuple[int, int], ...]], None] | None = None
+#: Called when the first tally is made (see ``_report``: the report written at exit).
+on_first_tally: list[Callable[[], None]] = []
+
+#: Where evictions outside any scope are counted (a cache used directly).
+OUTSIDE = "(outside any scope)"
+
+
+def tally(site: str, audit: bool) -> Tally:
+    """The tally of ``site`` in that mode, made on first use."""
+    found = _tallies.get((site, audit))
+    if found is None:
+        with _tallies_lock:
+            first = not _tallies
+            found = _tallies.setdefault((site, audit), Tally(site, audit))
+        if first:
+            for hook in on_first_tally:
+                hook()
+    return found
+
+
+def tallies() -> list[Tally]:
+    """Every tally, in the order the sites were first used."""
+    with _tallies_lock:
+        return list(_tallies.values())
+
+
+def sharing_totals() -> list[int]:
+    """Every field summed over the tallies of sharing (audits left out), those forgotten
+    by :func:`reset` included: what ``stats()`` reads."""
+    totals = list(_retired)
+    for found in tallies():
+        if not found.audit:
+            totals = [a + b for a, b in zip(totals, found.counts(), strict=True)]
+    return totals
+
+
+def reset() -> None:
+    """Forget every call site (their counts still add up in :func:`sharing_totals`)."""
+    with _tallies_lock:
+        for found in _tallies.values():
+            if not found.audit:
+                _retired[:] = [a + b for a, b in zip(_retired, found.counts(), strict=True)]
+        _tallies.clear()
+
+
+def count_eviction() -> None:
+    """Count an eviction against the call site whose scope is current in this context: the
+    one whose put made room (a cache evicts only to make room, on the putting thread)."""
+    ledger: Any = getattr(current_scope(), "ledger", None)
+    found = ledger.tally if isinstance(ledger, Ledger) else tally(OUTSIDE, False)
+    found.add((EVICTIONS, 1))
+
+
+def set_metrics(export: Callable[[tuple[tuple[int, int], ...]], None] | None) -> None:
+    """Also hand what sharing counts to ``export`` (Ray metrics), or stop (``None``)."""
+    global _metrics
+    _metrics = export

@@ -1,0 +1,261 @@
+"""The call's store: what one call found or put, by key, and what it keeps alive.
+
+Content is looked up in what the call stored (``local``), then in the cache; on a miss its
+stored form is put, once per key however many threads miss it at once (``PutLocks``), and
+kept in both. What the call keeps lives in the object store until the call ends, up to its
+budget (half the local store); past that, or when the store fills (see
+``refshare._pressure``), the call lets go of it. The put itself is given: Ray's (see
+:func:`put_stored`), or an audit's, which stores nothing; so the store runs without Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from .._cache import CacheEntry, PutLocks, RefCache
+from .._deep import Bundled, Skeleton, bundled_key
+from .._keys import Key, Keyed
+from .._pressure import gauge, scope_budget
+from .._ray.session import stored_bytes
+from .._ray.submit import raw_put
+from .._wire.serialized import Bundle, stored_form
+
+logger = logging.getLogger("refshare")
+
+#: Puts a stored value (see ``stored_form``) that weighs ``nbytes``: its ref and what the
+#: object store holds for it, or ``None`` if it could not be stored.
+PutFn = Callable[[Any, int], "tuple[Any, int] | None"]
+
+
+class Got(NamedTuple):
+    """The ref stored for a key: found (``found``, in this call's own store: ``in_call``),
+    or put just now."""
+
+    ref: Any
+    found: bool
+    in_call: bool = False
+
+
+class CallStore:
+    """What one call found or put by key, and what it keeps alive."""
+
+    __slots__ = ("bundles", "cache", "forgotten", "held", "local", "put_locks", "putter",
+                 "session")  # fmt: skip
+
+    def __init__(
+        self, cache: RefCache | None, putter: PutFn, forgotten: Callable[[], None] = lambda: None
+    ) -> None:
+        self.cache = cache
+        self.putter = putter
+        #: Called whenever the store lets go of what it keeps (the call's memo goes too).
+        self.forgotten = forgotten
+        self.local: dict[Key, Any] = {}
+        #: The bundles ``local`` keeps a place of: each counted whole, once (see hold).
+        self.bundles: set[Any] = set()
+        self.held = 0
+        self.put_locks = cache.put_locks if cache is not None else PutLocks()
+        self.session: tuple[str, str] | None = None
+
+    # -- looking up ------------------------------------------------------------------------
+
+    def stored(self, key: Key) -> bool:
+        """Whether content is stored under ``key``, here or in the cache (nothing counted)."""
+        return key in self.local or (self.cache is not None and key in self.cache)
+
+    def find(self, key: Key) -> Got | None:
+        """The ref stored under ``key`` here or in the cache, kept by this call from now on."""
+        ref = self.local.get(key)
+        in_call = ref is not None
+        if ref is None and self.cache is not None:
+            ref = self.kept(key, self.cache.entry(key))
+        return None if ref is None else Got(ref, True, in_call)
+
+    def find_many(self, keys: list[Key]) -> list[Got | None]:
+        """:meth:`find` of many members' keys: those this call does not hold looked up in
+        the cache at once."""
+        found: list[Got | None] = [None] * len(keys)
+        missed = []
+        for i, key in enumerate(keys):
+            ref = self.local.get(key)
+            if ref is None:
+                missed.append(i)
+            else:
+                found[i] = Got(ref, True, True)
+        if missed and self.cache is not None:
+            entries = self.cache.entries([keys[i] for i in missed])
+            for i, entry in zip(missed, entries, strict=True):
+                ref = self.kept(keys[i], entry)
+                if ref is not None:
+                    found[i] = Got(ref, True)
+        return found
+
+    def find_members(self, members: list[Keyed]) -> list[Got | None]:
+        """Each of ``members``, stored alone or in a bundle, or ``None``."""
+        found = self.find_many([m.key for m in members])
+        alone = [i for i, got in enumerate(found) if got is None]
+        if alone:
+            bundled = self.find_many([bundled_key(members[i].key) for i in alone])
+            for i, got in zip(alone, bundled, strict=True):
+                found[i] = got
+        return found
+
+    def kept(self, key: Key, entry: CacheEntry | None) -> Any:
+        """The ref of a cache ``entry`` found for ``key``, kept by this call from now on."""
+        if entry is None:
+            return None
+        self.hold(entry.ref, sum(nbytes for _, nbytes in entry.keeps))
+        self.local[key] = entry.ref
+        return entry.ref
+
+    # -- putting ---------------------------------------------------------------------------
+
+    def find_or_put(self, keyed: Keyed) -> Got | None:
+        """The ref stored under ``keyed.key``, or ``keyed.stored`` put now (``None`` if it
+        could not be). Threads (a pool putting chunks) and calls sharing the cache that miss
+        one key at once wait for the first one's put instead of each putting it."""
+        got = self.find(keyed.key)
+        if got is not None:
+            return got
+        with self.put_locks.holding_one(keyed.key):
+            got = self.find(keyed.key)
+            if got is not None:
+                return got
+            ref = self.put(keyed)
+            return None if ref is None else Got(ref, False)
+
+    def put(self, keyed: Keyed) -> Any:
+        """Put ``keyed.stored`` and keep its ref, here and in the cache; ``None`` if it could
+        not be stored."""
+        put = self.put_form(keyed.stored, keyed.nbytes)
+        if put is None:
+            return None
+        ref, weight = put
+        keeps = keyed.stored.keeps if isinstance(keyed.stored, Skeleton) else ()
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("put  %d bytes, key %s", keyed.nbytes, keyed.key.hex()[:12])
+        if self.cache is not None:  # a skeleton's object keeps its members alive
+            ref = self.cache.setdefault(keyed.key, ref, weight, keeps)
+        self.retain(weight + sum(nbytes for _, nbytes in keeps))
+        self.local[keyed.key] = ref
+        return ref
+
+    def put_members(self, members: list[Keyed]) -> list[Got | None]:
+        """Each of ``members`` (of a split value), found, or put now: the new ones in one
+        object, a bundle, where there are several. As in :meth:`find_or_put`, threads and
+        calls that miss one key at once wait for one put (two bundles never wait on each
+        other, see ``PutLocks``)."""
+        with self.put_locks.holding(member.key for member in members):
+            found = self.find_members(members)
+            missing = [m for m, got in zip(members, found, strict=True) if got is None]
+            refs = self.put_bundle(missing) if len(missing) > 1 else None
+            if refs is None:
+                refs = [self.put(member) for member in missing]
+            fresh = iter(refs)
+            for i, got in enumerate(found):
+                if got is None:
+                    ref = next(fresh)
+                    found[i] = None if ref is None else Got(ref, False)
+            return found
+
+    def put_bundle(self, members: list[Keyed]) -> list[Any] | None:
+        """Put new ``members`` in one object and keep each one's place in it, or ``None``
+        if they cannot be stored so (each is then stored on its own)."""
+        put = self.put_form(Bundle([m.stored for m in members]), sum(m.nbytes for m in members))
+        if put is None:
+            return None
+        ref, weight = put
+        logger.debug("put  %d members in one object", len(members))
+        keys = [bundled_key(member.key) for member in members]
+        places = [Bundled(ref, index, weight) for index in range(len(members))]
+        if self.cache is not None:  # weighed whole, once: any part keeps all of it alive
+            items = list(zip(keys, places, strict=True))
+            places = self.cache.setdefault_group(ref, items, weight)
+        for place in places:
+            self.hold(place, weight)
+        self.local.update(zip(keys, places, strict=True))
+        return places
+
+    def put_form(self, stored: Any, nbytes: int) -> tuple[Any, int] | None:
+        """Put ``stored`` once what refshare keeps has made room for ``nbytes`` in the local
+        object store (see ``refshare._pressure``)."""
+        if gauge.over(nbytes):
+            self.make_room(nbytes)
+        put = self.putter(stored, nbytes)
+        if put is not None:
+            gauge.added(put[1])
+        return put
+
+    # -- what the call keeps ----------------------------------------------------------------
+
+    def hold(self, ref: Any, nbytes: int) -> None:
+        """Count what keeping ``ref`` keeps alive: a place in a bundle, the whole bundle,
+        once however many of its places the call keeps."""
+        if type(ref) is Bundled:
+            if ref.ref in self.bundles:
+                return
+            self.bundles.add(ref.ref)
+            nbytes = ref.nbytes
+        self.retain(nbytes)
+
+    def retain(self, nbytes: int) -> None:
+        """Count ``nbytes`` more of object store this call keeps alive. Past its budget
+        (half the local store), let go of everything kept so far: a value sent again is then
+        keyed again and found in the cache, or put again."""
+        if self.held and self.held + nbytes > scope_budget(self.session):
+            self.forget()
+        self.held += nbytes
+
+    def make_room(self, nbytes: int) -> None:
+        """Let go of what this call keeps, then of the cache's least recently used, until
+        ``nbytes`` more fit below the fill refshare yields at, or it keeps nothing more;
+        each time it let go of an object, wait for Ray to free it (see ``_pressure``)."""
+        held, cache, frees = self.held, self.cache, self.keeps_alone()
+        self.forget()
+        over = gauge.settle(nbytes) if frees else gauge.over(nbytes)
+        freed = cache.shrink(over) if over and cache is not None else 0
+        if freed:
+            gauge.settle(nbytes)
+        logger.debug(
+            "the object store is filling: let go of %d bytes kept by the call, %d by the cache",
+            held,
+            freed,
+        )
+
+    def keeps_alone(self) -> bool:
+        """Whether this call keeps a ref the cache does not: forgetting it frees an object."""
+        cache = self.cache
+        kept = tuple(self.local.items())  # taken at once: other threads may be sending
+        return any(cache is None or not cache.keeps(key, ref) for key, ref in kept)
+
+    def forget(self) -> None:
+        """Let go of everything this call kept, and of what it worked out about its values."""
+        self.local.clear()
+        self.bundles.clear()
+        self.held = 0
+        self.forgotten()
+
+
+def put_stored(stored: Any, nbytes: int) -> tuple[Any, int] | None:
+    """Ray's ``ray.put`` of the stored form of ``stored``: its ref and the bytes the object
+    store holds for it. ``None`` if Ray refused it: the caller then sends by value, so the
+    user gets Ray's own error."""
+    try:
+        ref = raw_put(stored_form(stored))
+    except Exception:
+        logger.debug("ray.put failed; sending by value", exc_info=True)
+        return None
+    return ref, stored_bytes(ref, nbytes)
+
+
+class Unsent:
+    """Stands for the ref of what an audit would have put: never sent, never stored."""
+
+    __slots__ = ()
+
+
+def put_nothing(stored: Any, nbytes: int) -> tuple[Any, int]:
+    """An audit's put: nothing is stored; what would be stored is counted, under a
+    stand-in for its ref."""
+    return Unsent(), nbytes
