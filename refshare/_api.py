@@ -12,7 +12,7 @@ import ray
 import wrapt
 
 from . import _env
-from ._cache import process_cache
+from ._cache import audit_cache, process_cache
 from ._context import Frame, current_scope, enter, innermost, leave
 from ._keys.pickler import forget_pickling
 from ._options import Options, signed
@@ -28,7 +28,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def clear() -> None:
     """Empty the process-wide cache (Ray frees each object once no task still uses it), and
     forget what refshare learned of which values repeat and which classes pickle alike."""
-    process_cache().clear()
+    for cache in (process_cache(), audit_cache(process_cache())):
+        cache.clear()
     forget_pickling()
 
 
@@ -63,6 +64,14 @@ def _enter(options: Options, owner: object, site: str) -> Frame:
     return enter(Scope(options, site), owner)
 
 
+def _leave(frame: Frame) -> None:
+    """Leave ``frame``; the scope it entered ends with it, whoever still runs in its
+    context (an asyncio task, a pool's job): what it kept is let go of."""
+    leave(frame)
+    if isinstance(frame.scope, Scope):
+        frame.scope.close()
+
+
 class sharing:
     """Share large arguments of every Ray submission made inside a ``with`` block.
 
@@ -85,7 +94,7 @@ class sharing:
     def __exit__(self, *exc_info: object) -> None:
         frame = innermost(self)
         if frame is not None:
-            leave(frame)
+            _leave(frame)
 
 
 def _site(wrapped: Any) -> str:
@@ -100,7 +109,7 @@ def _runner(options: Options, asynchronous: bool) -> Callable[..., Any]:
             try:
                 return await wrapped(*args, **kwargs)
             finally:
-                leave(frame)
+                _leave(frame)
 
         return run_async
 
@@ -109,7 +118,7 @@ def _runner(options: Options, asynchronous: bool) -> Callable[..., Any]:
         try:
             return wrapped(*args, **kwargs)
         finally:
-            leave(frame)
+            _leave(frame)
 
     return run
 

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 from . import _ledger
 from ._admission import Admission, Splitting
 from ._pressure import default_budget
+from ._reuse import Reuse
 
 
 def _check_max_bytes(max_bytes: object) -> int | None:
@@ -58,6 +59,9 @@ class RefCache:
     than the whole budget is not cached. Entries stored in one object (a ``group``) are
     evicted together: none of its bytes is freed while one of them is kept.
 
+    Within its budget, it keeps what is likely to be sent again: an entry unused for longer
+    than the reuse distances its hits show is evicted on the next insert (see ``_reuse``).
+
     ``max_bytes=None`` means a quarter of the object store of the node the driver runs on,
     read when the cache is first used in a Ray session. Refs are valid only in the Ray
     session that made them, so the cache empties itself when it sees a new one.
@@ -78,6 +82,7 @@ class RefCache:
         #: miss one key at once wait for one put, bundles included.
         self.put_locks = PutLocks()
         self._nbytes = 0
+        self._reuse = Reuse()
         self._session: object = None
         self._lock = threading.RLock()
         self.admission = Admission()
@@ -123,7 +128,7 @@ class RefCache:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
-                self._entries.move_to_end(key)
+                self._used(key)
             return entry
 
     def keeps(self, key: Hashable, ref: Any) -> bool:
@@ -138,8 +143,12 @@ class RefCache:
             found = [self._entries.get(key) for key in keys]
             for key, entry in zip(keys, found, strict=True):
                 if entry is not None:
-                    self._entries.move_to_end(key)
+                    self._used(key)
             return found
+
+    def _used(self, key: Hashable) -> None:
+        self._entries.move_to_end(key)
+        self._reuse.used(key)
 
     def setdefault(self, key: Hashable, ref: Any, nbytes: int, keeps: Sequence[Kept] = ()) -> Any:
         """Store ``ref`` for ``key`` unless one is already there; return the stored ref.
@@ -151,7 +160,7 @@ class RefCache:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
-                self._entries.move_to_end(key)
+                self._used(key)
                 return entry.ref
             self._insert([(key, CacheEntry(ref, ((ref, nbytes), *keeps)))])
             return ref
@@ -175,23 +184,27 @@ class RefCache:
                 self._groups[group] = [key for key, _ in new]
             for (key, _), entry in zip(items, found, strict=True):
                 if entry is not None:
-                    self._entries.move_to_end(key)
+                    self._used(key)
             return [ref if e is None else e.ref for (_, ref), e in zip(items, found, strict=True)]
 
     def _insert(self, new: list[tuple[Hashable, CacheEntry]]) -> bool:
-        """Add ``new`` entries, evicting the least recently used others until what the
-        cache keeps alive fits the budget; add none (and evict nothing) if they alone
-        would not fit."""
+        """Add ``new`` entries, evicting the least recently used others while what the cache
+        keeps alive passes the budget, or while they have gone unused past the horizon (see
+        ``_reuse``); add none (and evict nothing) if they alone would not fit."""
         budget = self.max_bytes
         objects = dict(kept for _, entry in new for kept in entry.keeps)
         if sum(objects.values()) > budget:
             return False
+        before = self._nbytes
         for key, entry in new:
             self._entries[key] = entry
             self._keep(entry)
+        self._reuse.stored((key for key, _ in new), self._nbytes - before)
         first = new[0][0]
-        while self._nbytes > budget and next(iter(self._entries)) != first:
-            self.popitem()  # the new entries came last: all the others go first
+        while (oldest := next(iter(self._entries))) != first:  # the new entries came last
+            if self._nbytes <= budget and not self._reuse.stale(oldest):
+                break
+            self.popitem()
         return True
 
     def _keep(self, entry: CacheEntry) -> None:
@@ -225,17 +238,18 @@ class RefCache:
         first's ``(key, ref)``."""
         with self._lock:
             key, entry = self._entries.popitem(last=False)
-            self._release(entry)
-            self._count_eviction()
+            self._evicted(key, entry)
             for other in self._groups.pop(entry.group, ()):  # no group: none
                 evicted = self._entries.pop(other, None)
                 if evicted is not None:
-                    self._release(evicted)
-                    self._count_eviction()
+                    self._evicted(other, evicted)
         return key, entry.holder
 
-    def _count_eviction(self) -> None:
-        """In the report of the call site whose put made room (an audit's: would have)."""
+    def _evicted(self, key: Hashable, entry: CacheEntry) -> None:
+        """Counted in the report of the call site whose put made room (an audit's: would
+        have), and remembered for the horizon (see ``_reuse``)."""
+        self._release(entry)
+        self._reuse.evicted(key)
         _ledger.count_eviction()
 
     def clear(self) -> None:
@@ -246,6 +260,7 @@ class RefCache:
             self._groups.clear()
             self._alive.clear()
             self._nbytes = 0
+            self._reuse.clear()
         self.admission.clear()
         self.splitting.clear()
 

@@ -26,6 +26,7 @@ FIELDS = (
     "bytes_repeated_in_call",  #: of the repeated, found in what the same call sent
     "bytes_repeated_members",  #: of the repeated, members of split values (deep sharing)
     "bytes_distinct",  #: of those, bytes stored (put) once each
+    "bytes_stored",  #: what was put weighs, stored (a pickle's overhead, a skeleton included)
     "puts",  #: objects put
     "hits",  #: stored objects found again (a split value's members each count)
     "unkeyed",  #: values put without keying: of a kind that has not repeated lately
@@ -37,8 +38,8 @@ FIELDS = (
     "evictions",  #: cache entries this site's puts made room for
 )
 (CALLS, SUBMISSIONS, ARGUMENTS, BYTES_SENT, BYTES_REPEATED, BYTES_IN_CALL, BYTES_MEMBERS,
- BYTES_DISTINCT, PUTS, HITS, UNKEYED, PUT_CALLS, BY_VALUE, VERIFIED, UNVERIFIED, MISMATCHES,
- EVICTIONS) = range(len(FIELDS))  # fmt: skip
+ BYTES_DISTINCT, BYTES_STORED, PUTS, HITS, UNKEYED, PUT_CALLS, BY_VALUE, VERIFIED, UNVERIFIED,
+ MISMATCHES, EVICTIONS) = range(len(FIELDS))  # fmt: skip
 
 
 @dataclass
@@ -137,6 +138,7 @@ class Ledger:
             (BYTES_IN_CALL, min(tab.in_call, repeated)),
             (BYTES_MEMBERS, min(tab.members, repeated)),
             (BYTES_DISTINCT, min(tab.distinct, sent - repeated)),
+            (BYTES_STORED, tab.distinct),
             (PUTS, tab.puts),
             (HITS, tab.hits),
             (UNKEYED, tab.unkeyed),

@@ -30,6 +30,7 @@ class Row(NamedTuple):
     bytes_repeated_in_call: int  #: of the repeated, found within the same call
     bytes_repeated_members: int  #: of the repeated, members of split values (deep sharing)
     bytes_distinct: int  #: of those, bytes stored once each (put, or auditing, to be put)
+    bytes_stored: int  #: what was put weighs as stored (a pickle's overhead included)
     puts: int
     hits: int
     unkeyed: int  #: put without keying: of a kind that has not repeated lately

@@ -41,7 +41,7 @@ class Stats(NamedTuple):
 _SOURCES = (
     _ledger.PUTS,
     _ledger.HITS,
-    _ledger.BYTES_DISTINCT,
+    _ledger.BYTES_STORED,
     _ledger.BYTES_REPEATED,
     _ledger.EVICTIONS,
     _ledger.BY_VALUE,

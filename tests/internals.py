@@ -6,8 +6,6 @@ changes this file and not the tests. Each name says why a test needs it.
 
 from __future__ import annotations
 
-from refshare._scope import memo as call_memo  # what a call keys with, to make it fail
-from refshare._scope import store as call_store  # what a call stores with, to make Ray refuse it
 from refshare._admission import (  # the counts that decide what is keyed
     COLD_AFTER,
     MAX_KINDS,
@@ -31,6 +29,8 @@ from refshare._keys.stamps import (
 )
 from refshare._keys.tables import Memo, Trust
 from refshare._ray import submit  # Ray's patch targets, to pretend Ray moved them
+from refshare._scope import memo as call_memo  # what a call keys with, to make it fail
+from refshare._scope import store as call_store  # what a call stores with, to make Ray refuse it
 from refshare._wire import serialized  # Ray's pickler, to pretend it is not as expected
 from refshare._wire.tensors import TensorElements  # a tensor sent as its own elements
 
@@ -51,9 +51,9 @@ __all__ = [
     "_digest_array_list",
     "_enabled",
     "_ndarray_size",
+    "array_trust",
     "call_memo",
     "call_store",
-    "array_trust",
     "digest_buffer",
     "digests_kept_across_calls",
     "first_put",

@@ -108,3 +108,51 @@ def test_threads_keep_the_accounting_exact() -> None:
 def test_bad_budget_is_a_value_error(bad: object) -> None:
     with pytest.raises(ValueError, match="max_bytes"):
         RefCache(max_bytes=bad)  # type: ignore[arg-type]
+
+
+MiB = 1 << 20
+
+
+def _loop_step(cache: RefCache, step: int, reused: dict[str, int]) -> None:
+    """One step of a training loop: the weights sent again, then new rollout chunks."""
+    if cache.get("weights") is None:
+        reused["weights"] = reused.get("weights", 0) + 1  # a miss: put again
+        cache.setdefault("weights", "w", MiB)
+    for i in range(3):
+        cache.setdefault(f"rollout-{step}-{i}", f"r{step}{i}", 10 * MiB)
+        assert cache.get(f"rollout-{step}-{i}") is not None  # sent on within the step
+
+
+def test_what_it_keeps_follows_how_far_apart_its_hits_come() -> None:
+    """New rollouts every step, the same weights every step: the cache keeps the weights and
+    about a step's worth of the rest (the longest reuse distance it saw, with a margin),
+    not its whole budget of chunks that are never sent again."""
+    cache = RefCache(max_bytes=10_000 * MiB)
+    misses: dict[str, int] = {}
+    for step in range(60):
+        _loop_step(cache, step, misses)
+    assert misses == {"weights": 1}  # put once, then found every step
+    assert cache.nbytes <= (1.5 * 30 + 1 + 30) * MiB  # a step and a half, the weights, a step
+    assert "rollout-0-0" not in cache and "rollout-59-2" in cache
+
+
+def test_a_reuse_farther_apart_than_the_horizon_is_learned_from_its_miss() -> None:
+    """An entry evicted for its age and sent again is remembered: its miss teaches the
+    cache how far apart it comes, and from then on it is kept."""
+    cache = RefCache(max_bytes=10_000 * MiB)
+    misses: dict[str, int] = {}
+    rare = 0
+    for step in range(60):
+        _loop_step(cache, step, misses)
+        if step % 5 == 0 and cache.get("rare") is None:  # sent every fifth step, missed
+            rare += 1
+            cache.setdefault("rare", "x", MiB)
+    assert rare == 2  # its first send, and once evicted before its reuse was seen
+    assert misses == {"weights": 1}
+
+
+def test_without_reuse_the_budget_alone_bounds_it() -> None:
+    cache = RefCache(max_bytes=1_000)
+    for i in range(100):
+        cache.setdefault(f"k{i}", i, 100)
+    assert len(cache) == 10 and cache.nbytes == 1_000

@@ -51,12 +51,12 @@ def stored_bytes(ref: Any, default: int) -> int:
 
 
 def local_store_used() -> int | None:
-    """The bytes the driver's node's object store must keep now: the primary copies of the
-    objects workers put on it (what Ray would spill to make room, not the copies it can
-    evict), or ``None`` if Ray does not say. One request to the node's object store,
-    whatever the number of refs the program holds (see :func:`plasma_usage`)."""
+    """The bytes the driver's node's object store must keep now: what is pinned (primary
+    copies) or read (a worker's argument, mapped), which Ray can only spill, never evict;
+    ``None`` if Ray does not say. One request to the node's object store (a quarter of a
+    millisecond), whatever the number of refs the program holds (see :func:`plasma_usage`)."""
     try:
-        return plasma_usage()["bytes created by worker"]
+        return plasma_usage()["bytes in use"]
     except Exception:
         return None
 

@@ -29,7 +29,7 @@ from .._ray.session import current_session
 from .._verify import verifier, verify_by_env
 from .._wire.serialized import stored_whole
 from .memo import CallMemo, NotKeyed
-from .store import CallStore, put_nothing, put_stored
+from .store import CallStore
 
 logger = logging.getLogger("refshare")
 
@@ -63,8 +63,7 @@ class Scope:
         if cache is not None and self.audit:
             cache = audit_cache(cache)
         self.memo = CallMemo(options.reuse_fingerprints, self.min_bytes, self.deep)
-        putter = put_nothing if self.audit else put_stored
-        self.store = CallStore(cache, putter, self.memo.forget)
+        self.store = CallStore(cache, self.audit, self.memo.forget)
         self.admission: Admission | None = cache.admission if cache is not None else None
         #: What is learned of which kinds of values have members sent again (deep=None).
         self.splitting = cache.splitting if cache is not None else Splitting()
@@ -233,7 +232,8 @@ class Scope:
         if not self.memo.sent_unkeyed(value):
             self.admission.passed(kind)
             plain = leaf_digests.exact(type(value)) is not None or runs_own_pickling(type(value))
-            put_now = self.store.put_form(stored_whole(value, tensors=not plain), tab.nbytes)
+            stored = stored_whole(value, tensors=not plain)
+            put_now = self.store.put_form(stored, tab.nbytes, keyed=False)
             if put_now is None:
                 self.ledger.by_value("Ray refused its put")
                 return None
@@ -325,6 +325,10 @@ class Scope:
             return None
         # The estimate stopped at min_bytes: sized in full, for stats and the cache's budget.
         return nbytes if complete else estimate_size(value)
+
+    def close(self) -> None:
+        """The call or block has ended: what it kept is let go of (see ``CallStore.close``)."""
+        self.store.close()
 
     def ready(self) -> bool:
         """Whether Ray is running. Refs live only in the session that made them: in a new

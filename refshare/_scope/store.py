@@ -2,15 +2,17 @@
 
 Content is looked up in what the call stored (``local``), then in the cache; on a miss its
 stored form is put, once per key however many threads miss it at once (``PutLocks``), and
-kept in both. What the call keeps lives in the object store until the call ends, up to its
-budget (half the local store); past that, or when the store fills (see
-``refshare._pressure``), the call lets go of it. The put itself is given: Ray's (see
-:func:`put_stored`), or an audit's, which stores nothing; so the store runs without Ray.
+kept in both. What the call keeps lives in the object store until the call ends (whoever
+still runs in its context), up to its budget (half the local store); past that, or when
+the store fills (see ``refshare._pressure``), it lets go of it, and so does every other
+live call of the process. An audit's store is the same, with a put that stores nothing
+and weighs what Ray would have stored: it runs without Ray.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,13 +22,20 @@ from .._keys import Key, Keyed
 from .._pressure import gauge, scope_budget
 from .._ray.session import stored_bytes
 from .._ray.submit import raw_put
-from .._wire.serialized import Bundle, stored_form
+from .._wire.serialized import Bundle, stored_form, stored_size
 
 logger = logging.getLogger("refshare")
 
 #: Puts a stored value (see ``stored_form``) that weighs ``nbytes``: its ref and what the
 #: object store holds for it, or ``None`` if it could not be stored.
 PutFn = Callable[[Any, int], "tuple[Any, int] | None"]
+
+#: Every live call's store, weakly: when the object store fills, each lets go of what it keeps.
+_live: weakref.WeakSet[CallStore] = weakref.WeakSet()
+
+
+def _nothing() -> None:
+    pass
 
 
 class Got(NamedTuple):
@@ -39,16 +48,17 @@ class Got(NamedTuple):
 
 
 class CallStore:
-    """What one call found or put by key, and what it keeps alive."""
+    """What one call found or put by key, and what it keeps alive (``audit``: what an audit
+    of it would have, putting nothing)."""
 
-    __slots__ = ("bundles", "cache", "forgotten", "held", "local", "put_locks", "putter",
-                 "session")  # fmt: skip
+    __slots__ = ("__weakref__", "audit", "bundles", "cache", "closed", "forgotten", "held",
+                 "local", "put_locks", "session")  # fmt: skip
 
     def __init__(
-        self, cache: RefCache | None, putter: PutFn, forgotten: Callable[[], None] = lambda: None
+        self, cache: RefCache | None, audit: bool = False, forgotten: Callable[[], None] = _nothing
     ) -> None:
         self.cache = cache
-        self.putter = putter
+        self.audit = audit
         #: Called whenever the store lets go of what it keeps (the call's memo goes too).
         self.forgotten = forgotten
         self.local: dict[Key, Any] = {}
@@ -57,6 +67,9 @@ class CallStore:
         self.held = 0
         self.put_locks = cache.put_locks if cache is not None else PutLocks()
         self.session: tuple[str, str] | None = None
+        #: The call has ended: what it finds or puts is no longer kept (see close).
+        self.closed = False
+        _live.add(self)
 
     # -- looking up ------------------------------------------------------------------------
 
@@ -105,8 +118,9 @@ class CallStore:
         """The ref of a cache ``entry`` found for ``key``, kept by this call from now on."""
         if entry is None:
             return None
-        self.hold(entry.ref, sum(nbytes for _, nbytes in entry.keeps))
-        self.local[key] = entry.ref
+        if not self.closed:
+            self.hold(entry.ref, sum(nbytes for _, nbytes in entry.keeps))
+            self.local[key] = entry.ref
         return entry.ref
 
     # -- putting ---------------------------------------------------------------------------
@@ -137,8 +151,9 @@ class CallStore:
             logger.debug("put  %d bytes, key %s", keyed.nbytes, keyed.key.hex()[:12])
         if self.cache is not None:  # a skeleton's object keeps its members alive
             ref = self.cache.setdefault(keyed.key, ref, weight, keeps)
-        self.retain(weight + sum(nbytes for _, nbytes in keeps))
-        self.local[keyed.key] = ref
+        if not self.closed:
+            self.retain(weight + sum(nbytes for _, nbytes in keeps))
+            self.local[keyed.key] = ref
         return ref
 
     def put_members(self, members: list[Keyed]) -> list[Got | None]:
@@ -172,20 +187,34 @@ class CallStore:
         if self.cache is not None:  # weighed whole, once: any part keeps all of it alive
             items = list(zip(keys, places, strict=True))
             places = self.cache.setdefault_group(ref, items, weight)
-        for place in places:
-            self.hold(place, weight)
-        self.local.update(zip(keys, places, strict=True))
+        if not self.closed:
+            for place in places:
+                self.hold(place, weight)
+            self.local.update(zip(keys, places, strict=True))
         return places
 
-    def put_form(self, stored: Any, nbytes: int) -> tuple[Any, int] | None:
+    def put_form(self, stored: Any, nbytes: int, keyed: bool = True) -> tuple[Any, int] | None:
         """Put ``stored`` once what refshare keeps has made room for ``nbytes`` in the local
-        object store (see ``refshare._pressure``)."""
-        if gauge.over(nbytes):
+        object store (see ``refshare._pressure``). An audit's puts nothing: it weighs what
+        Ray would store (a value put without keying, ``keyed=False``, whose pickling may run
+        the program's code, by its estimate), and makes room as sharing would."""
+        if self.over(nbytes):
             self.make_room(nbytes)
-        put = self.putter(stored, nbytes)
+        if self.audit:
+            return Unsent(), _weight(stored, nbytes) if keyed else nbytes
+        put = put_stored(stored, nbytes)
         if put is not None:
             gauge.added(put[1])
         return put
+
+    def over(self, nbytes: int) -> int:
+        """By how many bytes ``nbytes`` more would pass the fill refshare yields at; for an
+        audit, with what sharing would keep (its cache, every live audited call) added."""
+        if not self.audit:
+            return gauge.over(nbytes)
+        stores = [store for store in list(_live) if store.audit]
+        kept = sum(store.held for store in stores)
+        return gauge.over(nbytes + kept + (self.cache.nbytes if self.cache is not None else 0))
 
     # -- what the call keeps ----------------------------------------------------------------
 
@@ -208,18 +237,25 @@ class CallStore:
         self.held += nbytes
 
     def make_room(self, nbytes: int) -> None:
-        """Let go of what this call keeps, then of the cache's least recently used, until
-        ``nbytes`` more fit below the fill refshare yields at, or it keeps nothing more;
-        each time it let go of an object, wait for Ray to free it (see ``_pressure``)."""
-        held, cache, frees = self.held, self.cache, self.keeps_alone()
-        self.forget()
-        over = gauge.settle(nbytes) if frees else gauge.over(nbytes)
+        """Let go of what every live call of the process keeps (sharing's, or an audit's),
+        then of the cache's least recently used, until ``nbytes`` more fit below the fill
+        refshare yields at, or it keeps nothing more; each time it let go of an object,
+        wait for Ray to free it (see ``_pressure``)."""
+        stores = [store for store in list(_live) if store.audit == self.audit]
+        frees = any(store.keeps_alone() for store in stores)
+        held = sum(store.held for store in stores)
+        for store in stores:
+            store.forget()
+        settle = frees and not self.audit  # an audit frees nothing to wait for
+        over = gauge.settle(nbytes) if settle else self.over(nbytes)
+        cache = self.cache
         freed = cache.shrink(over) if over and cache is not None else 0
-        if freed:
+        if freed and not self.audit:
             gauge.settle(nbytes)
         logger.debug(
-            "the object store is filling: let go of %d bytes kept by the call, %d by the cache",
+            "the object store is filling: let go of %d bytes kept by %d calls, %d by the cache",
             held,
+            len(stores),
             freed,
         )
 
@@ -236,6 +272,13 @@ class CallStore:
         self.held = 0
         self.forgotten()
 
+    def close(self) -> None:
+        """The call has ended: let go of what it kept, and keep nothing it finds or puts
+        from now on (an asyncio task or a pool's job started in it may still send)."""
+        self.closed = True
+        self.forget()
+        _live.discard(self)
+
 
 def put_stored(stored: Any, nbytes: int) -> tuple[Any, int] | None:
     """Ray's ``ray.put`` of the stored form of ``stored``: its ref and the bytes the object
@@ -249,13 +292,16 @@ def put_stored(stored: Any, nbytes: int) -> tuple[Any, int] | None:
     return ref, stored_bytes(ref, nbytes)
 
 
+def _weight(stored: Any, nbytes: int) -> int:
+    """What the object store would hold for ``stored``, put (``nbytes`` where that cannot be
+    worked out)."""
+    try:
+        return stored_size(stored_form(stored))
+    except Exception:
+        return nbytes
+
+
 class Unsent:
     """Stands for the ref of what an audit would have put: never sent, never stored."""
 
     __slots__ = ()
-
-
-def put_nothing(stored: Any, nbytes: int) -> tuple[Any, int]:
-    """An audit's put: nothing is stored; what would be stored is counted, under a
-    stand-in for its ref."""
-    return Unsent(), nbytes

@@ -267,6 +267,47 @@ class Bundle:
         self.members = members
 
 
+class _Counted:
+    """A write-only file that counts what a pickler writes, and keeps nothing."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+    def write(self, data: Any) -> int:
+        self.nbytes += len(data)
+        return len(data)
+
+
+#: What Ray's object store adds to an object, over its msgpack and pickle parts: the object's
+#: header and metadata, and per out-of-band buffer, its entry and alignment (measured on Ray
+#: 2.40 to 2.60: within a few hundred bytes of what ``ray.put`` stores, whatever the form).
+OBJECT_FRAMING = 64
+BUFFER_FRAMING = 24
+
+
+def stored_size(form: Any) -> int:
+    """The bytes the object store would hold for ``form`` put now, worked out by pickling it
+    as Ray would, into a counter: its buffers are measured where they lie, never copied.
+    For refshare's own forms and values keyed without pickling code of their own only: their
+    pickling runs no code of the program's."""
+    from ray import cloudpickle
+
+    native, objects = native_split(form)
+    counted, buffers = _Counted(), list[pickle.PickleBuffer]()
+    pickler: Any = cloudpickle.CloudPickler
+    pickler(counted, protocol=5, buffer_callback=buffers.append).dump(objects)
+    raws = [-(-buffer.raw().nbytes // 8) * 8 for buffer in buffers]
+    return (
+        len(native or b"")
+        + counted.nbytes
+        + sum(raws)
+        + BUFFER_FRAMING * len(raws)
+        + OBJECT_FRAMING
+    )
+
+
 def stored_form(stored: Any) -> Any:
     """What ``ray.put`` stores for ``stored``: a plain CPU tensor as its storage's bytes, an
     array of strings joined, a value holding tensors as refshare's own pickle of it, a
