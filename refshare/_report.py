@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ._context import current_scope
@@ -174,10 +175,17 @@ def reset_report() -> None:
 
 
 _exit_registered = False
+#: Called once, on this process's first tally (``_job`` starts its report writer there).
+first_tally_hooks: list[Callable[[], None]] = []
+_hooks_ran = False
 
 
 def _register_exit_report() -> None:
-    global _exit_registered
+    global _exit_registered, _hooks_ran
+    if not _hooks_ran:
+        _hooks_ran = True
+        for hook in first_tally_hooks:
+            hook()  # each hook catches its own errors: a tally never fails for a report
     if not _exit_registered and os.environ.get(REPORT_ENV, "").strip().lower() in _TRUE:
         _exit_registered = True
         atexit.register(write_report)
