@@ -24,8 +24,7 @@ from typing import Any, NamedTuple
 import job_kit
 import pytest
 from conftest import start_cluster
-
-from refshare._job_report import JobReport, read_job
+from internals import FRAMEWORKS, JobReport, read_job
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -49,10 +48,15 @@ def environment() -> dict[str, str]:
     return env
 
 
-def refshare(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+def refshare(
+    *args: str, timeout: float = TIMEOUT_S, path: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = environment()
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(path), env["PYTHONPATH"]])
     return subprocess.run(
         [sys.executable, "-m", "refshare", *args],
-        env=environment(),
+        env=env,
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -217,3 +221,49 @@ def test_what_cannot_be_set_up_is_a_warning_and_the_program_runs() -> None:
         assert "'verl' is not installed here" in done.stderr
     assert "'not a target'" in done.stderr
     assert "job_kit:Group.missing left unwrapped" in done.stderr
+
+
+def stand_in(root: Path, framework: str) -> list[str]:
+    """A package laid out as refshare's table says ``framework`` is (its first layout), each
+    module importing Ray first, as a framework's do; the ``module:owner.method`` names."""
+    names = []
+    for target in FRAMEWORKS[framework].layouts[0]:
+        *packages, module = target.module.split(".")
+        folder = root.joinpath(*packages)
+        for depth in range(len(packages)):
+            init = root.joinpath(*packages[: depth + 1], "__init__.py")
+            init.parent.mkdir(parents=True, exist_ok=True)
+            init.touch()
+        methods = "".join(f"    def {m}(self): pass\n" for m in target.methods)
+        code = (
+            f"class {target.owner}:\n{methods}"
+            if target.owner
+            else "".join(f"def {m}(): pass\n" for m in target.methods)
+        )
+        (folder / f"{module}.py").write_text(f"import ray\n{code}")
+        names += [f"{target.module}:{target.owner + '.' if target.owner else ''}{m}"
+                  for m in target.methods]  # fmt: skip
+    return names
+
+
+#: Prints the type of each method named on its command line, importing its module.
+SHOW_TYPES = """
+import importlib, sys, ray
+for name in sys.argv[1:]:
+    module, _, path = name.partition(":")
+    owner = importlib.import_module(module)
+    *owners, method = path.split(".")
+    for part in owners:
+        owner = getattr(owner, part)
+    print(type(vars(owner)[method]).__name__)
+"""
+
+
+def test_a_framework_is_enabled_as_its_modules_are_imported(tmp_path: Path) -> None:
+    names = stand_in(tmp_path, "verl")
+    program = [sys.executable, "-c", SHOW_TYPES, *names]
+    found = refshare("run", "--", *program, path=tmp_path, timeout=120)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == ["SharedFunction"] * len(names), found.stderr
+    other = refshare("run", "--frameworks", "nemo_rl", "--", *program, path=tmp_path, timeout=120)
+    assert other.stdout.split() == ["function"] * len(names), other.stderr

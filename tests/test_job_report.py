@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 import ray
 from helpers import Worker
+from internals import Chain, Method, merged_runtime_env, read_job
+from internals import job_writer as _job
 
 import refshare
-from refshare import _job
-from refshare._boot import Chain, Method, merged_runtime_env
-from refshare._job_report import read_job
 
 pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
 

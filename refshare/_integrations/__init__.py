@@ -60,7 +60,7 @@ def _resolve(framework: Framework) -> list[tuple[Any, tuple[str, ...]]] | str:
             problems.append(f"{type(error).__name__}: {error}")
             continue
         return found
-    return "; ".join(problems)
+    return "; ".join(dict.fromkeys(problems))  # layouts in one module fail alike: say it once
 
 
 def enable(*frameworks: str, **options: Any) -> list[str]:
