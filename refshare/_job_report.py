@@ -95,6 +95,11 @@ class JobReport(NamedTuple):
         }
 
     def __str__(self) -> str:
+        if not any(p.rows for p in self.processes):
+            return "\n".join(
+                ["refshare: no process of the job shared, audited or verified anything"]
+                + [f"unreadable: {what}" for what in self.unreadable]
+            )
         hosts = {p.host for p in self.processes}
         lines = [
             f"refshare job report ({self.mode}): {len(self.processes)} processes on "
@@ -105,10 +110,7 @@ class JobReport(NamedTuple):
             ((row, p) for p in self.processes for row in p.rows),
             key=lambda e: (str(e[0].get("site")), e[1].role, e[1].host, e[1].pid),
         )
-        if not entries:
-            lines.append("no process of the job shared, audited or verified anything")
-        else:
-            lines.append(_table(entries, self.totals(), len(hosts) == 1))
+        lines.append(_table(entries, self.totals(), len(hosts) == 1))
         for row, process in entries:
             for field, value in row.items():
                 if field == "reasons" or field.endswith("_reasons"):
