@@ -30,7 +30,7 @@ BATCH_BYTES = 4 * MiB
 CALLS = 2  #: fan-outs of one batch per user: the second finds what the first stored
 #: What the program waits before ``ray.shutdown()``, which kills the task's worker and the
 #: held actor: a killed process's report loses at most its last second.
-SLACK_S = 2.0
+SLACK_S = 1.5
 #: The program's own runtime_env, given when it connects to a cluster.
 MARK_ENV = "JOB_KIT_MARK"
 SETUP_RAN_ENV = "JOB_KIT_SETUP_RAN"
@@ -87,6 +87,20 @@ def train_loop(workers: list[Any], seed: int) -> dict[str, Any]:
     return train(workers, seed)
 
 
+def start_local_ray() -> None:
+    """A local Ray, tried again when it does not come up in time, as tests/conftest.py does
+    (on 2 busy cores its GCS now and then misses its deadline; a second start succeeds)."""
+    for attempt in range(3):
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as error:
+            if "timed out" not in str(error).lower() or attempt == 2:
+                raise
+            ray.shutdown()
+            time.sleep(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--address", help="a running cluster's (default: start a local Ray)")
@@ -100,7 +114,7 @@ def main() -> None:
             },
         )
     else:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        start_local_ray()
     workers = [Worker.remote() for _ in range(3)]
     ray.get([w.receive.remote(np.zeros(1)) for w in workers])  # started before counting
     controller, held = Controller.remote(), HeldController.remote()

@@ -89,18 +89,19 @@ def run_job(directory: Path, *options: str, address: str | None = None) -> Run:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Run]]]:
-    cluster = start_cluster({"num_cpus": 2, "include_dashboard": False})
-    try:
-        with ThreadPoolExecutor(3) as pool:
-            yield {
-                "sharing": pool.submit(run_job, tmp_path_factory.mktemp("sharing")),
-                "audit": pool.submit(run_job, tmp_path_factory.mktemp("audit"), "--audit"),
-                "cluster": pool.submit(
-                    run_job, tmp_path_factory.mktemp("cluster"), address=cluster.address
-                ),
-            }
-    finally:
-        cluster.shutdown()
+    with ThreadPoolExecutor(3) as pool:
+        found = {
+            "sharing": pool.submit(run_job, tmp_path_factory.mktemp("sharing")),
+            "audit": pool.submit(run_job, tmp_path_factory.mktemp("audit"), "--audit"),
+        }
+        cluster = start_cluster({"num_cpus": 2, "include_dashboard": False})
+        try:
+            directory = tmp_path_factory.mktemp("cluster")
+            found["cluster"] = pool.submit(run_job, directory, address=cluster.address)
+            yield found
+            found["cluster"].exception()  # the cluster outlives its job
+        finally:
+            cluster.shutdown()
 
 
 def rows_by_role(report: JobReport) -> dict[str, dict[str, Any]]:
