@@ -87,6 +87,12 @@ def run_job(directory: Path, *options: str, address: str | None = None) -> Run:
     return Run(done, read_job(str(directory)), printed)
 
 
+#: The jobs count what the object stores created through the raylets' gRPC counters.
+needs_counters = pytest.mark.skipif(
+    job_kit.counters.supported() is not None, reason=str(job_kit.counters.supported())
+)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Run]]]:
     with ThreadPoolExecutor(3) as pool:
@@ -119,6 +125,7 @@ def check_received(run: Run) -> None:
     assert all(r["as_by_value"] for r in run.printed["results"].values()), run.printed
 
 
+@needs_counters
 def test_run_shares_in_the_driver_a_controller_actor_and_a_task(
     runs: dict[str, Future[Run]],
 ) -> None:
@@ -138,6 +145,7 @@ def test_run_shares_in_the_driver_a_controller_actor_and_a_task(
     assert "(sharing): 4 processes" in run.done.stderr
 
 
+@needs_counters
 def test_run_audit_sends_by_value_and_reports_what_sharing_would_save(
     runs: dict[str, Future[Run]],
 ) -> None:
@@ -155,6 +163,7 @@ def test_run_audit_sends_by_value_and_reports_what_sharing_would_save(
     assert "(audit)" in audit.done.stderr and "nothing was changed" in audit.done.stderr
 
 
+@needs_counters
 def test_run_on_a_running_cluster_sets_up_its_workers_through_the_runtime_env(
     runs: dict[str, Future[Run]],
 ) -> None:
@@ -174,6 +183,7 @@ def test_run_on_a_running_cluster_sets_up_its_workers_through_the_runtime_env(
     assert distinct <= run.printed["created"] <= distinct + SLACK_BYTES, run.printed
 
 
+@needs_counters
 def test_report_prints_the_job_and_its_numbers(
     runs: dict[str, Future[Run]], tmp_path: Path
 ) -> None:
