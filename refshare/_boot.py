@@ -65,7 +65,7 @@ def _names(variable: str) -> list[str]:
     return [part.strip() for part in os.environ.get(variable, "").split(",") if part.strip()]
 
 
-_lock = threading.RLock()  # enabling imports modules, whose hooks come back here
+_lock = threading.RLock()  # a hook may fire as boot registers it, on its thread
 _frameworks: set[str] = set()  # still to enable
 _methods: list[Method] = []  # still to wrap
 _finished: set[str] = set()  # watched modules whose code has run
@@ -93,9 +93,9 @@ def boot() -> None:
             for module in sorted(modules - set(sys.modules)):
                 wrapt.register_post_import_hook(_imported, module)
             _patch_ray_init()
-            attempt()
         except Exception:
             logger.warning("refshare run: could not set this process up", exc_info=True)
+    attempt()
 
 
 def _imported(module: types.ModuleType) -> None:
@@ -120,25 +120,30 @@ def attempt() -> None:
     """Enable each framework one of whose modules is imported, and wrap each target whose
     module is, unless a module of theirs is still importing (then a later import or the
     first ``ray.init`` tries again)."""
-    with _lock:
-        for name in sorted(_frameworks):
-            modules = {t.module for layout in FRAMEWORKS[name].layouts for t in layout}
-            loaded = [m for m in modules if m in sys.modules]
-            if loaded and not any(_importing(m) for m in loaded):
-                _frameworks.discard(name)
-                try:
-                    enable(name)  # warns, itself, for what it does not find
-                except Exception:
-                    logger.warning("refshare run: could not enable %r", name, exc_info=True)
-        for method in [m for m in _methods if _ready(m.module)]:
-            _methods.remove(method)
-            try:
-                owner: Any = sys.modules[method.module]
-                for part in filter(None, method.owner.split(".")):
-                    owner = getattr(owner, part)
-                patch_methods(owner, method.name)
-            except Exception as error:
-                logger.warning("refshare run: %s left unwrapped: %s", method, error)
+    with _lock:  # taken off the lists here; enabled below, without the lock (imports)
+        frameworks = [name for name in sorted(_frameworks) if _framework_ready(name)]
+        _frameworks.difference_update(frameworks)
+        methods = [method for method in _methods if _ready(method.module)]
+        _methods[:] = [method for method in _methods if method not in methods]
+    for name in frameworks:
+        try:
+            enable(name)  # warns, itself, for what it does not find
+        except Exception:
+            logger.warning("refshare run: could not enable %r", name, exc_info=True)
+    for method in methods:
+        try:
+            owner: Any = sys.modules[method.module]
+            for part in filter(None, method.owner.split(".")):
+                owner = getattr(owner, part)
+            patch_methods(owner, method.name)
+        except Exception as error:
+            logger.warning("refshare run: %s left unwrapped: %s", method, error)
+
+
+def _framework_ready(name: str) -> bool:
+    modules = {t.module for layout in FRAMEWORKS[name].layouts for t in layout}
+    loaded = [m for m in modules if m in sys.modules]
+    return bool(loaded) and not any(_importing(m) for m in loaded)
 
 
 # -- Ray's workers ----------------------------------------------------------------------------

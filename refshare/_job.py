@@ -115,6 +115,8 @@ class Writer:
         """Write the rows if they changed since the last write and have settled (the same as
         at the last look), or a second has passed, or this is the exit's write. Returns
         whether it wrote."""
+        if os.getpid() != self.pid:
+            return False  # a forked child: the file is its parent's
         with self._lock:
             rows = [row_fields(row) for row in report().rows]
             settled, self._seen = rows == self._seen, rows
