@@ -101,10 +101,10 @@ class JobReport(NamedTuple):
                 + [f"unreadable: {what}" for what in self.unreadable]
             )
         hosts = {p.host for p in self.processes}
+        where = f" ({next(iter(hosts))})" if len(hosts) == 1 else ""
         lines = [
-            f"refshare job report ({self.mode}): {len(self.processes)} processes on "
-            f"{len(hosts)} host{'s' if len(hosts) != 1 else ''}"
-            + (f" ({next(iter(hosts))})" if len(hosts) == 1 else "")
+            f"refshare job report ({self.mode}): {_some(len(self.processes), 'process')} on "
+            f"{_some(len(hosts), 'host')}{where}"
         ]
         entries = sorted(
             ((row, p) for p in self.processes for row in p.rows),
@@ -133,6 +133,10 @@ class JobReport(NamedTuple):
 
 def _row_mode(process: Process, row: dict[str, Any]) -> str:
     return "audit" if row.get("audit") else ("sharing" if process.audit else process.mode)
+
+
+def _some(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun[-1] == 's' else 's'}"
 
 
 def _mib(nbytes: Any) -> str:
@@ -175,7 +179,7 @@ def _table(
     body = [cells(row, str(row.get("site")), p.label(one_host), _row_mode(p, row))
             for row, p in entries]  # fmt: skip
     count = len({(p.host, p.pid) for _, p in entries})
-    foot = [cells(total, "total", f"{count} processes", mode) for mode, total in totals.items()]
+    foot = [cells(total, "total", _some(count, "process"), mode) for mode, total in totals.items()]
     return format_table(head, body, foot, left=3)
 
 
