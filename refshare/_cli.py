@@ -201,7 +201,7 @@ def parser() -> argparse.ArgumentParser:
         "--verify",
         nargs="?",
         const="1",
-        metavar="worker",
+        choices=("1", "worker"),
         help="check each argument sent by ref against by value (--verify=worker: on the workers)",
     )
     run_.add_argument(

@@ -273,3 +273,13 @@ def test_a_framework_is_enabled_as_its_modules_are_imported(tmp_path: Path) -> N
     assert found.stdout.split() == ["SharedFunction"] * len(names), found.stderr
     other = refshare("run", "--frameworks", "nemo_rl", "--", *program, path=tmp_path, timeout=120)
     assert other.stdout.split() == ["function"] * len(names), other.stderr
+
+
+def test_the_modes_reach_the_program_as_its_environment() -> None:
+    program = "import os; print(os.environ.get('REFSHARE_AUDIT'), os.environ['REFSHARE_VERIFY'])"
+    for mode, printed in (("--verify", "None 1"), ("--verify=worker", "None worker")):
+        done = refshare("run", mode, "--", sys.executable, "-c", program, timeout=60)
+        assert done.stdout.strip() == printed, done.stderr
+    # Without "--", a word after --verify would be read as its value: it is refused instead.
+    wrong = refshare("run", "--verify", sys.executable, "-c", program, timeout=60)
+    assert wrong.returncode == 2 and "invalid choice" in wrong.stderr
