@@ -1,5 +1,6 @@
 """Share large, repeated Ray task arguments by reference, with one decorator."""
 
+from . import _job  # noqa: F401  (writes each process's report where REFSHARE_REPORT says)
 from ._api import clear, share, shared_args, sharing
 from ._cache import RefCache
 from ._integrations import disable, enable, worker_setup

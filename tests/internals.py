@@ -6,6 +6,7 @@ changes this file and not the tests. Each name says why a test needs it.
 
 from __future__ import annotations
 
+from refshare import _job as job_writer  # each process's report file, and its role
 from refshare._admission import (  # the counts that decide what is keyed
     COLD_AFTER,
     MAX_KINDS,
@@ -13,11 +14,13 @@ from refshare._admission import (  # the counts that decide what is keyed
     Admission,
     kind,
 )
+from refshare._boot import Chain, Method, merged_runtime_env  # refshare run's setup
 from refshare._cache import process_cache  # the process-wide cache, to count its entries
 from refshare._hashing import PARALLEL_MIN_BYTES, digest_buffer  # the chunked digest
 from refshare._integrations import FRAMEWORKS, _enabled  # the frameworks enable() knows
 from refshare._integrations.framework import Framework, Target
 from refshare._integrations.skyrl import register_tensor_batch  # a mirror keyed as SkyRL's
+from refshare._job_report import JobReport, read_job  # a job's files read back as one
 from refshare._keys import identify  # keying with a memo of one's own, as a call does
 from refshare._keys import leaves as leaf_digests  # which hash ran (by name)
 from refshare._keys.pickler import SERIALIZE_OBJECT_ARRAYS_FROM, _digest_array_list
@@ -43,8 +46,11 @@ __all__ = [
     "SCALAR_BYTES",
     "SERIALIZE_OBJECT_ARRAYS_FROM",
     "Admission",
+    "Chain",
     "Framework",
+    "JobReport",
     "Memo",
+    "Method",
     "Target",
     "TensorElements",
     "Trust",
@@ -58,10 +64,13 @@ __all__ = [
     "digests_kept_across_calls",
     "first_put",
     "identify",
+    "job_writer",
     "kind",
     "leaf_digests",
     "measure",
+    "merged_runtime_env",
     "process_cache",
+    "read_job",
     "register_tensor_batch",
     "serialized",
     "submit",

@@ -170,4 +170,6 @@ def test_scopes_on_threads_sharing_a_cache_put_a_shared_member_once(probes: list
     assert not errors
     held = _settled_extra(before, cache.nbytes)
     assert held == cache.nbytes
-    assert 32 * MiB <= held < 2 * 24 * MiB  # the shared array once, and each one's own
+    # The shared array once, and those of each one's own arrays the cache still keeps: none
+    # is sent again, and the cache lets go of what went unused past its reuse horizon.
+    assert 24 * MiB <= held < 2 * 24 * MiB

@@ -56,13 +56,21 @@ def run_example(path: Path, *, without_torch: bool = False) -> subprocess.Comple
 #: through ``torch.save``, as ROLL's does; OpenRLHF sends CPU tensors under Ray's zero-copy
 #: tensor serializer): never run without it.
 NEED_TORCH = {"verl_style.py", "openrlhf_style.py", "roll_style.py"}
-#: (example, without torch) for every run the tests below check.
 HAS_TORCH = importlib.util.find_spec("torch") is not None
-RUNS = [(p, False) for p in EXAMPLES if HAS_TORCH or p.name not in NEED_TORCH] + [
+#: (example, without torch) for every run the tests below check: each example as it is, and
+#: those that use torch where it is also without it.
+RUNS = [(p, False) for p in EXAMPLES] + [
     (p, True)
     for p in EXAMPLES
     if p.name not in NEED_TORCH and "torch" in p.read_text(encoding="utf-8")
 ]
+
+
+def skipped(path: Path) -> str | None:
+    """Why a run is skipped here, or ``None``."""
+    if path.name in NEED_TORCH and not HAS_TORCH:
+        return f"{path.name} needs torch, as the framework it mirrors does: not installed"
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +79,7 @@ def runs() -> Iterator[dict[tuple[Path, bool], Future[subprocess.CompletedProces
         yield {
             (path, no_torch): pool.submit(run_example, path, without_torch=no_torch)
             for path, no_torch in RUNS
+            if skipped(path) is None
         }
 
 
@@ -95,8 +104,15 @@ def test_examples_exist() -> None:
 
 @pytest.mark.parametrize(
     ("path", "without_torch"),
-    RUNS,
-    ids=[p.name + (" without torch" if no_torch else "") for p, no_torch in RUNS],
+    [
+        pytest.param(
+            path,
+            no_torch,
+            id=path.name + (" without torch" if no_torch else ""),
+            marks=[pytest.mark.skip(reason=why)] if (why := skipped(path)) else [],
+        )
+        for path, no_torch in RUNS
+    ],
 )
 def test_example_runs(
     runs: dict[tuple[Path, bool], Future[subprocess.CompletedProcess[str]]],

@@ -211,6 +211,15 @@ def test_enable_rejects_unknown_names_and_warns_for_missing_frameworks(
         assert refshare.enable("openrlhf") == []
     (warning,) = [r for r in caplog.records if "enable('openrlhf')" in r.message]
     assert "no_such_module" in warning.message and "OpenRLHF 0.11.2" in warning.message
+    # Two layouts that fail on one missing module: the error is said once.
+    layout = (internals.Target("no_such_module", "G", ("m",)),)
+    monkeypatch.setitem(
+        internals.FRAMEWORKS, "roll", internals.Framework("roll", "ROLL", (layout, layout))
+    )
+    with caplog.at_level(logging.WARNING, logger="refshare"):
+        assert refshare.enable("roll") == []
+    (warning,) = [r for r in caplog.records if "enable('roll')" in r.message]
+    assert warning.message.count("no_such_module") == 1, warning.message
 
 
 @pytest.mark.verify_off  # counts serializations, which verify adds to

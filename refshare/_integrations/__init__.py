@@ -61,7 +61,7 @@ def _resolve(framework: Framework) -> list[tuple[Any, tuple[str, ...]]] | str:
             problems.append(f"{type(error).__name__}: {error}")
             continue
         return found
-    return "; ".join(problems)
+    return "; ".join(dict.fromkeys(problems))  # layouts in one module fail alike: say it once
 
 
 def enable(*frameworks: str, **options: Any) -> list[str]:
@@ -121,7 +121,7 @@ def worker_setup() -> None:
     It never stops a worker from starting: a name it does not know, or a failure to
     enable one, is logged as a warning, and the worker runs without that framework.
     """
-    names = [n.strip() for n in os.environ.get(ENABLE_ENV, "").split(",") if n.strip()]
+    names = _env.names(ENABLE_ENV)
     unknown = [name for name in names if name not in FRAMEWORKS]
     if unknown:
         logger.warning(
