@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar, cast, overload
+from typing import Any, Literal, TypeVar, cast, overload
 
 import ray
 import wrapt
@@ -90,7 +90,7 @@ class sharing:
         reuse_fingerprints: bool = False,
         puts: bool = True,
         deep: bool | None = None,
-        verify: bool = False,
+        verify: bool | Literal["worker"] = False,
         audit: bool = False,
     ) -> None:
         self._options = Options(
@@ -188,7 +188,7 @@ def shared_args(
     reuse_fingerprints: bool = False,
     puts: bool = True,
     deep: bool | None = None,
-    verify: bool = False,
+    verify: bool | Literal["worker"] = False,
     audit: bool = False,
 ) -> Callable[[_F], _F]: ...
 
@@ -203,7 +203,7 @@ def shared_args(
     reuse_fingerprints: bool = False,
     puts: bool = True,
     deep: bool | None = None,
-    verify: bool = False,
+    verify: bool | Literal["worker"] = False,
     audit: bool = False,
 ) -> _F | Callable[[_F], _F]:
     """Share the large arguments of every Ray call the decorated function submits.
@@ -269,4 +269,6 @@ def share(value: Any) -> ray.ObjectRef[Any]:
     if _disabled_by_env() or not scope.ready():
         return cast("ray.ObjectRef[Any]", raw_put(value))
     ref = scope.store(value, estimate_size(value), fallback=None)
-    return cast("ray.ObjectRef[Any]", raw_put(value) if ref is None else ref)
+    if ref is not None and scope.verify:
+        ref = scope.verified(value, ref, "share()")
+    return cast("ray.ObjectRef[Any]", raw_put(value) if ref is None or ref is value else ref)

@@ -4,7 +4,7 @@ once, where they are given."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ._cache import RefCache, process_cache
 
@@ -30,7 +30,7 @@ class Options:
     reuse_fingerprints: bool = False
     puts: bool = True
     deep: bool | None = None
-    verify: bool = False
+    verify: bool | Literal["worker"] = False
     audit: bool = False
 
     def __post_init__(self) -> None:
@@ -47,8 +47,13 @@ class Options:
                 f"cache={self.cache!r}: pass True (the process-wide cache), False (share "
                 "within one call only) or a refshare.RefCache"
             )
-        for name in ("enabled", "reuse_fingerprints", "puts", "verify", "audit"):
+        for name in ("enabled", "reuse_fingerprints", "puts", "audit"):
             _check_flag(name, getattr(self, name))
+        if not (isinstance(self.verify, bool) or self.verify == "worker"):
+            raise TypeError(
+                f"verify={self.verify!r}: pass False, True (checked on the driver) or "
+                "'worker' (checked on the workers that receive each argument)"
+            )
         if self.deep is not None and not isinstance(self.deep, bool):
             raise TypeError(
                 f"deep={self.deep!r}: pass None (the default: split where it pays), True or False"

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ._context import current_scope
@@ -49,7 +50,10 @@ class Row(NamedTuple):
     by_value: int  #: large arguments sent by value by refshare's choice, ``reasons`` says why
     mismatches: int  #: verify mode's
     evictions: int  #: cache entries its puts made room for (auditing: would have)
+    verified: int  #: verify mode's: sends found to reach the worker as by value
+    unverified: int  #: verify mode's: sends it could not compare (sent by value)
     reasons: tuple[tuple[str, int], ...]  #: why values went by value, most frequent first
+    unverified_reasons: tuple[tuple[str, int], ...]  #: why sends were unverified
 
     @property
     def saved(self) -> float:
@@ -93,6 +97,13 @@ class Report(NamedTuple):
             for r in self.rows
             for reason, count in r.reasons
         ]
+        notes += [
+            f"  {r.site}: verify: {r.verified} verified, {r.mismatches} mismatches, "
+            f"{r.unverified} unverified"
+            + "".join(f"; {n}: {why}" for why, n in r.unverified_reasons)
+            for r in self.rows
+            if r.verified or r.mismatches or r.unverified
+        ]
         audit = any(r.audit for r in self.rows)
         tail = ["(audit: what sharing would save; nothing was changed)"] if audit else []
         return "\n".join(out + notes + tail)
@@ -105,7 +116,7 @@ def _mib(nbytes: int) -> str:
 class Tally:
     """The running counts of one call site."""
 
-    __slots__ = ("_counts", "_lock", "_reasons", "audit", "site")
+    __slots__ = ("_counts", "_lock", "_reasons", "_unverified", "audit", "site")
 
     def __init__(self, site: str, audit: bool) -> None:
         self.site = site
@@ -113,6 +124,7 @@ class Tally:
         self._lock = threading.Lock()
         self._counts = [0] * _COUNTED
         self._reasons: Counter[str] = Counter()
+        self._unverified: Counter[str] = Counter()
 
     def add(self, *pairs: tuple[int, int]) -> None:
         """Add each ``(field, amount)`` (fields are the indices below)."""
@@ -126,18 +138,27 @@ class Tally:
             self._counts[BY_VALUE] += 1
             self._reasons[reason] += 1
 
+    def unverified(self, reason: str) -> None:
+        with self._lock:
+            self._counts[UNVERIFIED] += 1
+            self._unverified[reason] += 1
+
     def row(self) -> Row:
         with self._lock:
             reasons = tuple(self._reasons.most_common())
-            return Row._make((self.site, self.audit, *self._counts, reasons))
+            unverified = tuple(self._unverified.most_common())
+            return Row._make((self.site, self.audit, *self._counts, reasons, unverified))
 
 
 #: The fields a Tally counts, in Row's order (between ``audit`` and ``reasons``).
 (CALLS, SUBMISSIONS, ARGUMENTS, BYTES_SENT, BYTES_REPEATED, BYTES_IN_CALL, BYTES_MEMBERS,
- BYTES_DISTINCT, PUTS, HITS, UNKEYED, BY_VALUE, MISMATCHES, EVICTIONS) = range(14)  # fmt: skip
-_COUNTED = 14
+ BYTES_DISTINCT, PUTS, HITS, UNKEYED, BY_VALUE, MISMATCHES, EVICTIONS, VERIFIED,
+ UNVERIFIED) = range(16)  # fmt: skip
+_COUNTED = 16
 
 _tallies: dict[tuple[str, bool], Tally] = {}
+#: Run before the tallies are read: verify's workers' reports, counted (see _verify).
+before_read: list[Callable[[], None]] = []
 _tallies_lock = threading.Lock()
 
 
@@ -162,6 +183,8 @@ def count_eviction() -> None:
 def report() -> Report:
     """What each call site did in this process: one row per site (and mode), in the order
     they were first used. In audit mode, what sharing would have saved."""
+    for collect in before_read:
+        collect()
     with _tallies_lock:
         tallies = list(_tallies.values())
     return Report(tuple(t.row() for t in tallies))

@@ -30,7 +30,7 @@ from ._options import Options
 from ._pressure import gauge
 from ._ray.session import current_session, stored_bytes
 from ._ray.submit import raw_put
-from ._verify import verifier, verify_by_env
+from ._verify import MISMATCH, count, verifier, verify_by_env
 from ._wire.serialized import PickleOnPut, bundle_form, stored_form
 
 logger = logging.getLogger("refshare")
@@ -85,6 +85,7 @@ class Scope:
         "bundles",
         "cache",
         "deep",
+        "differs",
         "held",
         "local",
         "memo",
@@ -108,7 +109,9 @@ class Scope:
         self.site = site
         #: Audit mode: key as sharing would, send everything by value (see _report).
         self.audit = options.audit or _report.audit_by_env()
-        self.verify = (options.verify or verify_by_env()) and not self.audit
+        env = verify_by_env()  # "worker" wins where either says it
+        verify = "worker" if "worker" in (options.verify, env) else options.verify or env
+        self.verify = verify if not self.audit else False
         self.min_bytes = options.threshold
         cache = options.ref_cache
         self.cache: RefCache | None = (
@@ -127,6 +130,8 @@ class Scope:
         self.bundles: set[Any] = set()
         self.put_locks = self.cache.put_locks if self.cache is not None else PutLocks()
         self.unkeyed: set[int] = set()
+        #: Values kept in ``pickled`` seen to pickle differently: sent by value, unkeyed.
+        self.differs: set[int] = set()
         #: Values ``ray.put`` once in this call, by id: stamped only when put again.
         self.put_once: set[int] = set()
         #: What is learned of which kinds of values have members sent again (deep=None).
@@ -171,10 +176,7 @@ class Scope:
         if self.audit:
             return value  # keyed and counted; Ray sends it as it is
         if self.verify and shared is not value:
-            label = f"argument {argument!r}"
-            shared = verifier.check(value, shared, self.site, label, self.session)
-            if shared is value:
-                self.tally.add((_report.MISMATCHES, 1))
+            shared = self.verified(value, shared, f"argument {argument!r}", task=True)
         return shared
 
     def ray_put(self, value: Any, **options: Any) -> Any:
@@ -193,13 +195,25 @@ class Scope:
         if self.audit:
             return None  # keyed and counted; Ray's own put
         if ref is not None and self.verify:
-            ref = verifier.check(value, ref, self.site, "ray.put", self.session)
-            if ref is value:
-                self.tally.add((_report.MISMATCHES, 1))
-            ref = ref if ref is not value else None  # a mismatch: Ray's own put
+            ref = self.verified(value, ref, "ray.put")
+            ref = ref if ref is not value else None  # by value fails: Ray's own put, its error
         if ref is not None:
             _stats.record_put_call()
         return ref
+
+    def verified(self, value: Any, sent: Any, label: str, task: bool = False) -> Any:
+        """What to send instead of ``sent`` once verify has compared what a receiver gets
+        of it with what it gets of ``value`` by value (see ``refshare._verify``); a task's
+        argument (``task``) checked on its worker under ``verify="worker"``. A value kept
+        as its own pickle that does not arrive so pickles differently: from now on by value."""
+        on_worker = task and self.verify == "worker"
+        verdict = verifier.check(value, sent, self.site, label, self.session, on_worker)
+        count(self.tally, verdict.outcome, verdict.reason)
+        kept: Pickled | None = self.pickled.get(value) if verdict.outcome == MISMATCH else None
+        if kept is not None:
+            learn_pickling(kept.classes, alike=False)
+            self.differs.add(id(value))
+        return verdict.sent
 
     def store_argument(self, value: Any, nbytes: int, fallback: Any, put: bool = False) -> Any:
         """The ref of a task's argument or a ``ray.put``'s value: whole, or its large members
@@ -486,6 +500,10 @@ class Scope:
         (``put``) only from its second put on (see :meth:`stamps`); its tensors are stamped as
         :meth:`first_sight` says."""
         kept: Pickled | None = self.pickled.get(value)
+        if kept is not None and id(value) in self.differs:
+            if why is not None:
+                why.append("it pickles differently each time")
+            return None
         if kept is not None and pickles_alike(kept.classes):
             return Keyed(kept.key, value, kept.nbytes)
         with self.first_sight(value, put):
@@ -496,6 +514,8 @@ class Scope:
             nbytes = found.serialized.nbytes
         if kept is not None:
             learn_pickling(kept.classes, alike=found.key == kept.key)
+            if found.key != kept.key:
+                self.differs.add(id(value))
         if found.costly and self.stamps(value, put):
             stamp = structure_stamp(value)
             if stamp is not None:
@@ -668,6 +688,7 @@ class Scope:
         self.local.clear()
         self.bundles.clear()
         self.unkeyed.clear()
+        self.differs.clear()
         self.put_once.clear()
         self.held = 0
 

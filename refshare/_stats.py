@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 
@@ -17,7 +18,8 @@ class Stats(NamedTuple):
     refshare answered by content (each also counts as a put or a hit); ``unkeyed`` counts
     the puts of values refshare did not key, being of a kind that has not repeated lately;
     ``mismatches`` counts arguments that verify mode found would not reach the worker as
-    by value, and sent by value instead.
+    by value, and sent by value instead; ``verified`` those it found would, ``unverified``
+    those it could not compare (sent by value too; ``report()`` says why).
     """
 
     puts: int = 0
@@ -29,12 +31,16 @@ class Stats(NamedTuple):
     put_calls: int = 0
     unkeyed: int = 0
     mismatches: int = 0
+    verified: int = 0
+    unverified: int = 0
 
 
 _lock = threading.Lock()
 _counts = [0] * len(Stats._fields)
 (_PUTS, _HITS, _BYTES_PUT, _BYTES_SAVED, _EVICTIONS, _BY_VALUE, _PUT_CALLS, _UNKEYED,
- _MISMATCHES) = range(len(Stats._fields))  # fmt: skip
+ _MISMATCHES, _VERIFIED, _UNVERIFIED) = range(len(Stats._fields))  # fmt: skip
+#: Run before the counts are read: verify's workers' reports, counted (see _verify).
+before_read: list[Callable[[], None]] = []
 
 
 _DESCRIPTIONS = {
@@ -47,6 +53,8 @@ _DESCRIPTIONS = {
     "put_calls": "ray.put calls inside a scope answered by content",
     "unkeyed": "Values put without keying: of a kind that has not repeated lately",
     "mismatches": "Arguments verify mode found would differ from by value, sent by value",
+    "verified": "Arguments verify mode found reach the worker as by value",
+    "unverified": "Arguments verify mode could not compare, sent by value",
 }
 
 #: Ray metric counters, one per field, once :func:`enable_metrics` was called.
@@ -59,7 +67,8 @@ def enable_metrics(enabled: bool = True) -> None:
     They appear on Ray's metrics endpoint and dashboard as ``refshare_puts``,
     ``refshare_hits``, ``refshare_bytes_put``, ``refshare_bytes_saved``,
     ``refshare_evictions``, ``refshare_by_value``, ``refshare_put_calls``,
-    ``refshare_unkeyed`` and ``refshare_mismatches``, counted from the moment they are on.
+    ``refshare_unkeyed``, ``refshare_mismatches``, ``refshare_verified`` and
+    ``refshare_unverified``, counted from the moment they are on.
     """
     global _metrics
     if not enabled:
@@ -114,8 +123,18 @@ def record_mismatch() -> None:
     _add(_MISMATCHES)
 
 
+def record_verified() -> None:
+    _add(_VERIFIED)
+
+
+def record_unverified() -> None:
+    _add(_UNVERIFIED)
+
+
 def stats() -> Stats:
     """Return a snapshot of refshare's counters for this process."""
+    for collect in before_read:
+        collect()
     with _lock:
         return Stats(*_counts)
 
