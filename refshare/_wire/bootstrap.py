@@ -233,6 +233,7 @@ def rebuild_dataproto(
 def rebuild_consolidated(rebuild: Any, metadata: Any, pieces: list[Any], nbytes: int) -> Any:
     """A consolidated ``TensorDict`` from its storage's pieces (each leaf's bytes, and the
     padding between them), as its own unpickling rebuilds it from metadata and storage."""
+    import collections
     import ctypes
 
     import numpy as np
@@ -245,8 +246,10 @@ def rebuild_consolidated(rebuild: Any, metadata: Any, pieces: list[Any], nbytes:
         if source.size:
             ctypes.memmove(at, source.ctypes.data, source.size)
         at += source.size
-    # As torch's unpickling makes the storage tensor: set_ on the storage (version 1).
+    # As torch's unpickling makes the storage tensor: set_ on the storage (version 1), and
+    # the empty backward hooks its pickle sends.
     storage = torch.empty(0, dtype=torch.uint8).set_(memory, 0, (nbytes,), (1,))
+    storage._backward_hooks = collections.OrderedDict()
     return rebuild(metadata, storage)
 
 
