@@ -8,6 +8,7 @@ against a by-value send (``differential_kit``), and what verify counted (``stats
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -302,6 +303,34 @@ def test_the_workers_check_judges_the_code_the_worker_runs() -> None:
         assert ray.get(worker.mark.remote(t)) == "this worker's torch"
     assert counted("mismatches", 1) == 1
     assert refshare.stats().verified == 1
+    ray.kill(worker)
+
+
+@ray.remote(num_cpus=0.05)
+class WithoutRefshare:
+    """A worker where refshare cannot be imported."""
+
+    def __init__(self) -> None:
+        for name in [m for m in sys.modules if m == "refshare" or m.startswith("refshare.")]:
+            sys.modules[name] = None  # type: ignore[assignment]
+
+    def total(self, value: dict[str, np.ndarray]) -> float:
+        return float(value["big"].sum())
+
+
+@mismatches_expected
+def test_the_workers_check_travels_to_a_worker_without_refshare() -> None:
+    """The description and the check are shipped by value: a large array changed within one
+    call (the documented blind spot) is caught on a worker that cannot import refshare."""
+    worker = WithoutRefshare.remote()  # type: ignore[attr-defined]
+    value = {"big": large(), "other": large()}
+    change = poke(value["big"])
+    with refshare.sharing(verify="worker"):
+        before = ray.get(worker.total.remote(value))
+        change()
+        assert ray.get(worker.total.remote(value)) == before + 1
+    assert counted("mismatches", 1) == 1
+    assert counted("verified", 1) == 1
     ray.kill(worker)
 
 

@@ -290,7 +290,7 @@ class _Describer:
         trusted = self.trust.get(cls)
         if trusted is None:
             trusted = self.trust[cls] = _trusted(cls)
-        if base is object and trusted and not hooked:
+        if trusted and not hooked:
             self.reduced(obj, cls)
             return
         if not _python_layout(cls, base):
