@@ -33,7 +33,7 @@ import ray
 from .. import _report, _stats
 from .._ray.pickling import ship_by_value
 from .._ray.submit import raw_put
-from . import received, worker
+from . import leaves, received, worker
 from .received import describe, first_difference
 from .worker import MISMATCH, UNVERIFIED, VERIFIED, cannot_describe
 
@@ -163,8 +163,9 @@ def _identity(sent: Any) -> object:
     members = getattr(sent, "members", None)
     if key is None or members is None:
         return None
-    named = tuple(m.binary() if isinstance(m, ray.ObjectRef) else (m.ref.binary(), m.at)
-                  for m in members)  # fmt: skip
+    named = tuple(
+        m.binary() if isinstance(m, ray.ObjectRef) else (m.ref.binary(), m.at) for m in members
+    )
     return (key, named)
 
 
@@ -263,8 +264,8 @@ class Verifier:
         ``report()`` drain it."""
         with self._lock:
             if self._ledger is None:
-                ship_by_value(received)
-                ship_by_value(worker)
+                for module in (leaves, received, worker):
+                    ship_by_value(module)
                 self._ledger = ray.remote(num_cpus=0)(worker.Ledger).remote()
                 if self.drain not in _stats.before_read:
                     _stats.before_read.append(self.drain)

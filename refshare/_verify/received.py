@@ -6,18 +6,20 @@ objects as they are: a class's pickling code never runs, but that of Python's st
 library, numpy and torch, whose reductions only read. An object whose state it cannot read
 so is :class:`CannotDescribe`, and verify then fails closed.
 
-It imports nothing of refshare: Ray ships it by value to the workers (``verify="worker"``).
+It imports nothing of refshare but ``leaves`` (arrays and tensors): Ray ships both by value
+to the workers (``verify="worker"``).
 """
 
 from __future__ import annotations
 
-import hashlib
+import _thread
 import marshal
 import sys
 import types
-import warnings
 from collections import OrderedDict, defaultdict
 from typing import Any, NamedTuple
+
+from .leaves import CannotDescribe, array, digest, new_hasher, shared_memory, tensor
 
 #: Packages whose classes' reductions are read to describe their objects: they only read.
 TRUSTED = frozenset(sys.stdlib_module_names) | {"numpy", "torch"}
@@ -25,10 +27,7 @@ TRUSTED = frozenset(sys.stdlib_module_names) | {"numpy", "torch"}
 HOOKS = ("__reduce_ex__", "__reduce__", "__getstate__", "__getnewargs_ex__", "__getnewargs__")
 _HEAPTYPE = 1 << 9
 _SHORT = 64  # atoms longer than this are described by their digest
-
-
-class CannotDescribe(Exception):
-    """An object whose state cannot be read without running code verify must not run."""
+__all__ = ["CannotDescribe", "Description", "describe", "first_difference"]
 
 
 class Description(NamedTuple):
@@ -43,7 +42,7 @@ def describe(value: Any, paths: bool = False) -> Description:
     reading it raised) where it cannot be described."""
     describer = _Describer(paths)
     describer.visit(value, "value")
-    describer.finish()
+    shared_memory(describer)
     return Description(describer.hasher.digest(), describer.tokens)
 
 
@@ -58,26 +57,12 @@ def first_difference(expected: Description, got: Description) -> str:
     return f"at {where}: only {side} has {token!r:.300}"
 
 
-def _new_hasher() -> Any:
-    try:
-        import xxhash
-    except ImportError:  # a worker without it: both sides are described in one process
-        return hashlib.blake2b(digest_size=16)
-    return xxhash.xxh3_128()
-
-
-def _digest(data: Any) -> str:
-    hasher = _new_hasher()
-    hasher.update(data)
-    return str(hasher.hexdigest())
-
-
 def _name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
 
 
 def _text(tag: str, value: Any, data: bytes) -> tuple[Any, ...]:
-    return (tag, value) if len(data) <= _SHORT else (tag, len(data), _digest(data))
+    return (tag, value) if len(data) <= _SHORT else (tag, len(data), digest(data))
 
 
 _ATOMS: dict[type, Any] = {
@@ -153,7 +138,7 @@ class _Describer:
     a token stream that delimits every object, so no two graphs give one stream."""
 
     def __init__(self, paths: bool = False) -> None:
-        self.hasher = _new_hasher()
+        self.hasher = new_hasher()
         self.tokens: list[tuple[str, tuple[Any, ...]]] | None = [] if paths else None
         self.trail: list[Any] = []
         self.first: dict[int, int] = {}
@@ -227,15 +212,15 @@ class _Describer:
             self.multiset(obj)
         elif numpy is not None and isinstance(obj, numpy.generic):
             self.emit("scalar", _name(cls))
-            self.array(numpy.asarray(obj), index)
+            array(self, numpy.asarray(obj), index)
         elif numpy is not None and isinstance(obj, numpy.ndarray):
             self.emit("ndarray", _name(cls))
             plain = obj if cls is numpy.ndarray else numpy.ndarray.view(obj, numpy.ndarray)
-            self.array(plain, index)
+            array(self, plain, index)
             self.state(obj, cls)
         elif torch is not None and isinstance(obj, torch.Tensor):
             self.emit("tensor", _name(cls))
-            nested = self.tensor(obj, index)
+            nested = tensor(self, obj, index)
             # A nested tensor's sizes hold its ragged dimension's id, new in each process's
             # each unpickling: its parts say what it holds.
             self.state(obj, cls, ("_size", "_strides") if nested else ())
@@ -249,6 +234,8 @@ class _Describer:
                 self.visit(obj.__self__, ".__self__")
         elif cls is types.ModuleType:
             self.emit("module", obj.__name__)
+        elif cls is _thread.LockType or cls is _thread.RLock:  # a __setstate__ made it
+            self.emit(cls.__name__, obj.locked() if cls is _thread.LockType else obj._is_owned())
         elif not self.ray_handle(obj, cls):
             self.instance(obj, cls)
 
@@ -266,7 +253,7 @@ class _Describer:
         return True
 
     def function(self, f: Any) -> None:
-        self.emit("function", _name(f), _digest(marshal.dumps(f.__code__)))
+        self.emit("function", _name(f), digest(marshal.dumps(f.__code__)))
         self.visit(f.__defaults__, "__defaults__")
         self.visit(f.__kwdefaults__, "__kwdefaults__")
         cells = f.__closure__ or ()
@@ -327,7 +314,7 @@ class _Describer:
         elif base in (set, frozenset):
             self.multiset(base.__iter__(obj))
         elif base is bytearray:
-            self.emit("bytearray", len(obj), _digest(memoryview(obj)))
+            self.emit("bytearray", len(obj), digest(memoryview(obj)))
         elif base is BaseException:
             self.visit(vars(BaseException)["args"].__get__(obj), "args")
         else:
@@ -353,152 +340,3 @@ class _Describer:
                 continue
             self.emit("slot", name)
             self.visit(value, f".{name}")
-
-    # -- arrays and tensors ---------------------------------------------------------------
-
-    def array(self, arr: Any, index: int) -> None:
-        """A plain ndarray view: layout, the flags a receiver has, dtype by value, content."""
-        self.held.append(arr)  # a view made here: its address is not recycled in the pass
-        flags = arr.flags
-        self.emit("layout", arr.shape, arr.strides, flags.writeable, flags.aligned,
-                  flags.c_contiguous, flags.f_contiguous)  # fmt: skip
-        self.dtype(arr.dtype)
-        self.content(arr)
-        if not arr.dtype.hasobject and arr.nbytes:
-            numpy = sys.modules["numpy"]
-            low, high = numpy.lib.array_utils.byte_bounds(arr)
-            self.regions.append((low, high, index, bool(flags.writeable), arr))
-
-    def dtype(self, dtype: Any) -> None:
-        """A dtype by value (all of it: metadata, byte order, fields), through its own
-        reduction; arrays unpickled apart have equal dtypes that are not one object."""
-        found = self.dtypes.get(id(dtype))
-        if found is None:
-            alone = _Describer()
-            alone.visit(dtype, "")
-            found = self.dtypes[id(dtype)] = alone.hasher.hexdigest()
-            self.held.append(dtype)
-        self.emit("dtype", str(dtype), found)
-
-    def content(self, arr: Any) -> None:
-        """An array's elements: field by field (padding is no content), Python objects one
-        by one, else its bytes through a uint8 view (datetime64 has no buffer of its own)."""
-        numpy = sys.modules["numpy"]
-        dtype = arr.dtype
-        if dtype.names is not None:
-            for name in dtype.names:
-                self.emit("field", name)
-                self.content(arr[name])
-        elif dtype.hasobject:
-            self.emit("elements", arr.size)
-            for i, item in enumerate(arr.reshape(-1)):
-                self.visit(item, (i,))
-        elif not arr.nbytes:
-            self.emit("bytes", 0)
-        else:
-            flags = arr.flags
-            flat = arr if flags.c_contiguous else arr.T if flags.f_contiguous else None
-            flat = numpy.ascontiguousarray(arr) if flat is None else flat
-            self.emit("bytes", arr.nbytes, _digest(flat.reshape(-1).view(numpy.uint8)))
-
-    def tensor(self, t: Any, index: int) -> bool:
-        """A tensor as torch's own code reads it (a subclass's ``__torch_function__`` does
-        not run); whether it is nested."""
-        torch = sys.modules["torch"]
-        with torch._C.DisableTorchFunctionSubclass(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.emit("tensor", str(t.dtype), str(t.layout), str(t.device), t.requires_grad,
-                      t.is_leaf, t.is_inference())  # fmt: skip
-            if t.is_quantized:
-                self.quantized(t)
-            elif t.is_nested:
-                parts = t.unbind()
-                self.emit("nested", len(parts))
-                for part in parts:
-                    self.elements(part)
-            elif t.layout == torch.strided:
-                self.strided(t, index)
-            else:
-                self.sparse(t)
-            self.visit(torch._C.TensorBase.grad.__get__(t), ".grad")
-            self.visit(t._backward_hooks, "._backward_hooks")
-            return bool(t.is_nested)
-
-    def strided(self, t: Any, index: int) -> None:
-        """A strided tensor: its layout and its whole storage, as torch's pickling sends it."""
-        torch = sys.modules["torch"]
-        storage = t.untyped_storage()
-        nbytes = storage.nbytes()
-        start = storage.data_ptr()
-        shared = self.storages.setdefault(start, index) if nbytes else None
-        version = None if t.is_inference() else t._version
-        self.emit("strided", tuple(t.shape), t.stride(), t.storage_offset(), nbytes,
-                  t.is_conj(), t.is_neg(), version, shared)  # fmt: skip
-        if storage.device.type != "cpu":
-            storage = storage.cpu()
-        data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy() if nbytes else b""
-        self.emit("storage", _digest(data))
-        if nbytes and shared == index:
-            self.regions.append((start, start + nbytes, index, True, None))
-
-    def elements(self, t: Any) -> None:
-        """A tensor's elements and shape alone (a part of a nested or quantized one)."""
-        torch = sys.modules["torch"]
-        plain = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-        data = plain.view(torch.uint8).numpy() if plain.numel() else b""
-        self.emit("elements", str(t.dtype), tuple(t.shape), t.stride(), _digest(data))
-
-    def quantized(self, t: Any) -> None:
-        torch = sys.modules["torch"]
-        scheme = t.qscheme()
-        self.emit("quantized", str(scheme), tuple(t.shape), t.stride(), t.storage_offset())
-        if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
-            self.emit("qparams", float(t.q_scale()).hex(), int(t.q_zero_point()))
-        elif scheme in (torch.per_channel_affine, torch.per_channel_symmetric,
-                        torch.per_channel_affine_float_qparams):  # fmt: skip
-            self.emit("axis", t.q_per_channel_axis())
-            self.elements(t.q_per_channel_scales())
-            self.elements(t.q_per_channel_zero_points())
-        else:
-            raise CannotDescribe(f"a quantized tensor of scheme {scheme}")
-        self.elements(t.int_repr())
-
-    def sparse(self, t: Any) -> None:
-        torch = sys.modules["torch"]
-        layout = t.layout
-        parts: tuple[Any, ...]
-        if layout == torch.sparse_coo:
-            self.emit("coo", tuple(t.shape), t.sparse_dim(), t.dense_dim(), t.is_coalesced())
-            parts = (t._indices(), t._values())
-        elif layout in (torch.sparse_csr, torch.sparse_bsr):
-            self.emit("compressed", tuple(t.shape))
-            parts = (t.crow_indices(), t.col_indices(), t.values())
-        elif layout in (torch.sparse_csc, torch.sparse_bsc):
-            self.emit("compressed", tuple(t.shape))
-            parts = (t.ccol_indices(), t.row_indices(), t.values())
-        else:
-            raise CannotDescribe(f"a tensor of layout {layout}")
-        for part in parts:
-            self.elements(part)
-
-    def finish(self) -> None:
-        """Memory shared between the arrays and tensors visited, where one of them can be
-        written: a write through one shows through the other. (Read-only arrays of one
-        buffer cannot tell; Ray gives those for one ref fetched twice.)"""
-        numpy = sys.modules.get("numpy")
-        self.trail.append("value")
-        active: list[tuple[int, int, int, bool, Any]] = []
-        for region in sorted(self.regions, key=lambda r: (r[0], r[2])):
-            low, _, index, writeable, arr = region
-            active = [r for r in active if r[1] > low]
-            for other in active:
-                if not (writeable or other[3]):
-                    continue
-                if numpy is not None and arr is not None and other[4] is not None:
-                    try:
-                        if not numpy.shares_memory(arr, other[4], max_work=1 << 20):
-                            continue
-                    except numpy.exceptions.TooHardError:
-                        pass  # cannot tell: taken as shared, on both sides alike
-                self.emit("shares memory", other[2], index)
-            active.append(region)
