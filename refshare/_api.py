@@ -207,11 +207,14 @@ def shared_args(func: _F | None = None, /, **options: Any) -> _F | Callable[[_F]
             members one by one where one was sent before, or where values of its kind had
             members sent again later; else the argument whole, in one put. ``True`` or
             ``False`` always or never. What a worker receives is the same either way.
-        verify: also serialize each argument sent by ref as Ray would send it by value, and
-            check that a worker receives the same (see docs/guarantees.md); an argument
-            that would not is logged as an error, counted in ``stats().mismatches`` and sent
-            by value. Costs more than by value: for a run on your own data when you adopt
-            refshare or upgrade a framework. ``REFSHARE_VERIFY=1`` turns it on everywhere.
+        verify: ``True`` compares, on each send by ref (arguments, puts, ``share()``), what
+            a receiver gets with what it gets of Ray's own by-value copy of that send (see
+            docs/guarantees.md), and sends the copy where they differ (logged as an error,
+            counted in ``stats().mismatches``) or where it cannot compare (a warning,
+            ``stats().unverified``). ``"worker"``: each task's argument is compared by the
+            worker that receives it, with its own code. Costs about what by value costs: for
+            a run on your own data when you adopt refshare or upgrade a framework.
+            ``REFSHARE_VERIFY=1`` (or ``worker``) turns it on everywhere.
         audit: key every large argument and ``ray.put`` as sharing would, and change
             nothing Ray sends: every argument goes by value, every put is Ray's own.
             :func:`refshare.report` then says, per call site, what sharing would save and

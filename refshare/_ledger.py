@@ -100,6 +100,14 @@ class Tally:
         if _metrics is not None and not self.audit:
             _metrics(((field, 1),))
 
+    def verdict(self, outcome: str, reason: str = "") -> None:
+        """Count what verify found of one send: ``verified``, ``mismatch`` or ``unverified``
+        (with its reason)."""
+        if outcome == "unverified":
+            self.note(UNVERIFIED, reason)
+        elif outcome in _VERDICTS:
+            self.add((_VERDICTS[outcome], 1))
+
     def counts(self) -> list[int]:
         with self._lock:
             return list(self._counts)
@@ -148,15 +156,12 @@ class Ledger:
     def by_value(self, reason: str) -> None:
         self.tally.note(BY_VALUE, reason)
 
-    def verified(self) -> None:
-        self.tally.add((VERIFIED, 1))
+    def verdict(self, outcome: str, reason: str = "") -> None:
+        self.tally.verdict(outcome, reason)
 
-    def unverified(self, reason: str) -> None:
-        self.tally.note(UNVERIFIED, reason)
 
-    def mismatch(self) -> None:
-        self.tally.add((MISMATCHES, 1))
-
+#: verify's outcomes, counted alone (``unverified`` is counted with its reason).
+_VERDICTS = {"verified": VERIFIED, "mismatch": MISMATCHES}
 
 _tallies: dict[tuple[str, bool], Tally] = {}
 _tallies_lock = threading.Lock()
@@ -166,6 +171,9 @@ _retired = [0] * len(FIELDS)
 _metrics: Callable[[tuple[tuple[int, int], ...]], None] | None = None
 #: Called when the first tally is made (see ``_report``: the report written at exit).
 on_first_tally: list[Callable[[], None]] = []
+#: Called before the tallies are read, to count what is on its way (the verdicts of
+#: ``verify="worker"``, reported by the workers: see ``_verify``).
+before_read: list[Callable[[], None]] = []
 
 #: Where evictions outside any scope are counted (a cache used directly).
 OUTSIDE = "(outside any scope)"
@@ -185,7 +193,10 @@ def tally(site: str, audit: bool) -> Tally:
 
 
 def tallies() -> list[Tally]:
-    """Every tally, in the order the sites were first used."""
+    """Every tally, in the order the sites were first used (what is on its way counted
+    first: see :data:`before_read`)."""
+    for hook in list(before_read):
+        hook()
     with _tallies_lock:
         return list(_tallies.values())
 

@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ._cache import RefCache, process_cache
 
@@ -45,6 +45,14 @@ def _cache(name: str, value: Any) -> None:
         )
 
 
+def _verify(name: str, value: Any) -> None:
+    if not (isinstance(value, bool) or value == "worker"):
+        raise TypeError(
+            f"{name}={value!r}: pass False, True (checked on the driver) or 'worker' "
+            "(checked on the workers that receive each argument)"
+        )
+
+
 def _deep(name: str, value: Any) -> None:
     if value is not None and not isinstance(value, bool):
         raise TypeError(
@@ -62,7 +70,7 @@ class Options:
     reuse_fingerprints: bool = field(default=False, metadata={"check": _flag})
     puts: bool = field(default=True, metadata={"check": _flag})
     deep: bool | None = field(default=None, metadata={"check": _deep})
-    verify: bool = field(default=False, metadata={"check": _flag})
+    verify: bool | Literal["worker"] = field(default=False, metadata={"check": _verify})
     audit: bool = field(default=False, metadata={"check": _flag})
 
     def __post_init__(self) -> None:

@@ -125,21 +125,24 @@ def fresh() -> Iterator[None]:
     refshare.clear()
 
 
-class _Mismatches(logging.Handler):
-    """Counts the errors verify mode logs, whatever a test does to the stats."""
+class _Verdicts(logging.Handler):
+    """Collects what verify mode logs, whatever a test does to the stats: its mismatches
+    (errors) and its unverified sends (warnings)."""
 
     def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.seen: list[str] = []
+        super().__init__(logging.WARNING)
+        self.mismatches: list[str] = []
+        self.unverified: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if message.startswith("refshare verify:"):
-            self.seen.append(message)
+            found = self.mismatches if record.levelno >= logging.ERROR else self.unverified
+            found.append(message)
 
 
-_mismatches = _Mismatches()
-logging.getLogger("refshare").addHandler(_mismatches)
+_verdicts = _Verdicts()
+logging.getLogger("refshare").addHandler(_verdicts)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -157,11 +160,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _no_verify_mismatch(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Under ``REFSHARE_VERIFY=1``, no test may make verify find a mismatch, but those that
-    make one on purpose (``mismatches_expected``)."""
-    before = len(_mismatches.seen)
+    """Under ``REFSHARE_VERIFY=1``, no test may make verify find a mismatch, nor leave a
+    send unverified, but those that do so on purpose (``mismatches_expected``,
+    ``unverified_expected``). (What the workers found under ``verify="worker"`` is counted
+    when the stats are read: read here.)"""
+    before = len(_verdicts.mismatches), len(_verdicts.unverified)
     yield
-    if request.node.get_closest_marker("mismatches_expected"):
-        return
-    found = _mismatches.seen[before:]
-    assert not found, f"verify found {len(found)} mismatches, the first: {found[0]}"
+    if ray.is_initialized():
+        refshare.stats()
+    found = _verdicts.mismatches[before[0] :]
+    if found and not request.node.get_closest_marker("mismatches_expected"):
+        pytest.fail(f"verify found {len(found)} mismatches, the first: {found[0]}")
+    found = _verdicts.unverified[before[1] :]
+    if found and not request.node.get_closest_marker("unverified_expected"):
+        pytest.fail(f"verify left {len(found)} sends unverified, the first: {found[0]}")

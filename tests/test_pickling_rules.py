@@ -209,7 +209,8 @@ def test_verify_sees_a_global_read_by_pickling_changed_within_one_call(
     probes: list[Any], deep: Any
 ) -> None:
     """The documented case above, caught by verify in every mode (an inline skeleton's
-    by-value digest is kept under its key, as a ref's is)."""
+    description is kept under its key, as a ref's is). Once caught, a value kept as its own
+    pickle is known to pickle differently: by value, unkeyed, for the rest of the call."""
     value = cases.Scaled(np.full(N, 7.0))
     with refshare.sharing(min_bytes=1 << 10, deep=deep, verify=True):
         send(probes, value)
@@ -221,7 +222,9 @@ def test_verify_sees_a_global_read_by_pickling_changed_within_one_call(
         finally:
             cases.SCALE = 1
     assert got == expected, first_difference(got[0], expected[0])
-    assert refshare.stats().mismatches == len(probes)
+    stats = refshare.stats()
+    assert stats.mismatches >= 1
+    assert stats.mismatches + stats.by_value == len(probes)
 
 
 def _wrong_scaled(value: cases.Scaled) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -254,4 +257,4 @@ def test_verify_compares_what_arrives_by_its_state(
         got = send(probes, value)
     assert got == expected, first_difference(got[0], expected[0])
     assert refshare.stats().mismatches == len(probes)
-    assert "differs in its state" in caplog.records[-1].getMessage()
+    assert "at value['scaled']['factor']" in caplog.records[-1].getMessage()

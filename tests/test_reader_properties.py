@@ -21,9 +21,9 @@ import ray
 from differential_kit import Probe, first_difference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serialized_kit import serialized_digest
 
 import refshare
-from refshare._verify import serialized_digest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("tensordict")

@@ -299,7 +299,7 @@ def test_clones_and_chunks_made_again_are_found_again() -> None:
                       None, dict(data.meta_info))  # fmt: skip
     # A clone's batch holds its attributes in another order, which torch.save writes: it
     # shares a key with the original exactly where Ray would send the two alike.
-    from refshare._verify import serialized_digest
+    from serialized_kit import serialized_digest
 
     assert (key(clone) == key(data)) == (serialized_digest(clone) == serialized_digest(data))
     one, two = make(rows=2 * ROWS).chunk(2), make(rows=2 * ROWS).chunk(2)

@@ -44,8 +44,8 @@ class NotKeyed(NamedTuple):
 class CallMemo:
     """What one call worked out about the values it sent, kept while they are unchanged."""
 
-    __slots__ = ("deep", "digests", "min_bytes", "pickled", "put_once", "reuse", "splits",
-                 "unkeyed")  # fmt: skip
+    __slots__ = ("deep", "differs", "digests", "min_bytes", "pickled", "put_once", "reuse",
+                 "splits", "unkeyed")  # fmt: skip
 
     def __init__(self, reuse: bool, min_bytes: int, deep: bool | None) -> None:
         self.reuse = reuse
@@ -58,6 +58,8 @@ class CallMemo:
         self.put_once: set[int] = set()
         #: Values put without keying in this call, by id (see ``refshare._admission``).
         self.unkeyed: set[int] = set()
+        #: Values kept in ``pickled`` seen to pickle differently, by id: sent by value.
+        self.differs: set[int] = set()
 
     def key(self, value: Any, nbytes: int, put: bool = False) -> Keyed | NotKeyed:
         """``value`` keyed, with what to put for it on a miss and what it weighs.
@@ -68,6 +70,8 @@ class CallMemo:
         value gives the same bytes (see ``pickles_alike``); a value ``ray.put`` (``put``),
         only from its second put on."""
         kept: Pickled | None = self.pickled.get(value)
+        if kept is not None and id(value) in self.differs:
+            return NotKeyed("it pickles differently each time")
         if kept is not None and pickles_alike(kept.classes):
             return Keyed(kept.key, value, kept.nbytes)
         reasons: list[str] = []
@@ -79,6 +83,8 @@ class CallMemo:
             nbytes = found.serialized.nbytes
         if kept is not None:
             learn_pickling(kept.classes, alike=found.key == kept.key)
+            if found.key != kept.key:
+                self.differs.add(id(value))
         if found.costly and self.stamps(value, put):
             stamp = structure_stamp(value)
             if stamp is not None:
@@ -147,6 +153,14 @@ class CallMemo:
         self.unkeyed.add(id(value))
         return False
 
+    def pickles_differently(self, value: Any) -> None:
+        """``value``, kept as its own pickle, did not arrive so (verify says): its classes
+        pickle an unchanged value differently, and it goes by value from now on."""
+        kept: Pickled | None = self.pickled.get(value)
+        if kept is not None:
+            learn_pickling(kept.classes, alike=False)
+            self.differs.add(id(value))
+
     def forget(self) -> None:
         """Forget everything worked out in this call."""
         self.digests.clear()
@@ -154,3 +168,4 @@ class CallMemo:
         self.splits.clear()
         self.put_once.clear()
         self.unkeyed.clear()
+        self.differs.clear()

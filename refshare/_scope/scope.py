@@ -26,7 +26,7 @@ from .._keys.tables import leaf_digests, user_fingerprints
 from .._ledger import Ledger, Tab
 from .._options import Options
 from .._ray.session import current_session
-from .._verify import verifier, verify_by_env
+from .._verify import MISMATCH, Mode, verifier, verify_by_env
 from .._wire.serialized import stored_whole
 from .memo import CallMemo, NotKeyed
 from .store import CallStore
@@ -54,7 +54,9 @@ class Scope:
         self.site = site
         #: Audit mode: key as sharing would, send everything by value (see _report).
         self.audit = options.audit or _env.on(_env.AUDIT)
-        self.verify = (options.verify or verify_by_env()) and not self.audit
+        verify, env = options.verify, verify_by_env()
+        verify = "worker" if "worker" in (verify, env) else verify or env  # "worker" wins
+        self.verify: Mode = verify if not self.audit else False
         self.min_bytes = options.threshold
         self.deep = options.deep
         self.puts = options.puts
@@ -108,7 +110,7 @@ class Scope:
         if shared is None or self.audit:
             return value  # by value (auditing: keyed and counted, Ray sends it as it is)
         if self.verify:
-            shared = self.verified(value, shared, f"argument {argument!r}")
+            shared = self.verified(value, shared, f"argument {argument!r}", task=True)
         return shared
 
     def ray_put(self, value: Any, **options: Any) -> ObjectRef[Any] | None:
@@ -148,13 +150,18 @@ class Scope:
             ref = ref if isinstance(ref, ObjectRef) else None  # a mismatch: Ray's own put
         return ref  # type: ignore[no-any-return]
 
-    def verified(self, value: Any, sent: Any, label: str) -> Any:
-        """``sent`` if verify finds a worker receives through it what it receives of
-        ``value`` by value; else ``value``, and the mismatch counted."""
-        checked = verifier.check(value, sent, self.site, label, self.session)
-        if checked is value:
-            self.ledger.mismatch()
-        return checked
+    def verified(self, value: Any, sent: Any, label: str, task: bool = False) -> Any:
+        """What to send instead of ``sent`` once verify has compared what a receiver gets of
+        it with what it gets of ``value`` by value (see ``refshare._verify``): ``sent``, or
+        the by-value copy; a task's argument (``task``) checked on its worker under
+        ``verify="worker"``. A value kept as its own pickle that does not arrive so pickles
+        differently: from now on it goes by value."""
+        on_worker = task and self.verify == "worker"
+        verdict = verifier.check(value, sent, self.site, label, self.session, on_worker)
+        self.ledger.verdict(verdict.outcome, verdict.reason)
+        if verdict.outcome == MISMATCH:
+            self.memo.pickles_differently(value)
+        return verdict.sent
 
     # -- the decision ----------------------------------------------------------------------
 

@@ -18,7 +18,9 @@ def rebuild_tensor(
     data: Any, dtype: Any, offset: int, size: Any, stride: Any, requires_grad: bool
 ) -> Any:
     """A CPU tensor from its storage's bytes, as torch's own unpickling would give it: on a
-    writable storage of its own, with the same offset, size, stride and requires_grad."""
+    writable storage of its own, with the same offset, size, stride and requires_grad, and
+    the empty ``_backward_hooks`` torch's pickle sends in place of any hooks."""
+    import collections
     import ctypes
 
     import numpy as np
@@ -29,6 +31,7 @@ def rebuild_tensor(
     if source.size:  # copied by address: through .numpy() torch could no longer resize it
         ctypes.memmove(storage.data_ptr(), source.ctypes.data, source.size)
     tensor = torch.empty(0, dtype=dtype).set_(storage.untyped_storage(), offset, size, stride)
+    tensor._backward_hooks = collections.OrderedDict()
     return tensor.requires_grad_() if requires_grad else tensor
 
 
@@ -230,6 +233,7 @@ def rebuild_dataproto(
 def rebuild_consolidated(rebuild: Any, metadata: Any, pieces: list[Any], nbytes: int) -> Any:
     """A consolidated ``TensorDict`` from its storage's pieces (each leaf's bytes, and the
     padding between them), as its own unpickling rebuilds it from metadata and storage."""
+    import collections
     import ctypes
 
     import numpy as np
@@ -242,8 +246,10 @@ def rebuild_consolidated(rebuild: Any, metadata: Any, pieces: list[Any], nbytes:
         if source.size:
             ctypes.memmove(at, source.ctypes.data, source.size)
         at += source.size
-    # As torch's unpickling makes the storage tensor: set_ on the storage (version 1).
+    # As torch's unpickling makes the storage tensor: set_ on the storage (version 1), and
+    # the empty backward hooks its pickle sends.
     storage = torch.empty(0, dtype=torch.uint8).set_(memory, 0, (nbytes,), (1,))
+    storage._backward_hooks = collections.OrderedDict()
     return rebuild(metadata, storage)
 
 
