@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from ._job import FORMAT
+from ._report import format_table
 
 #: The time an audit says sharing would save, and the time spent sending arguments, in ms,
 #: where rows carry them.
@@ -181,23 +181,6 @@ def _table(
     count = len({(p.host, p.pid) for _, p in entries})
     foot = [cells(total, "total", _some(count, "process"), mode) for mode, total in totals.items()]
     return format_table(head, body, foot, left=3)
-
-
-def format_table(
-    head: list[str], body: list[list[str]], foot: Iterable[list[str]], left: int = 1
-) -> str:
-    """Columns padded to their widest cell, the first ``left`` left-aligned and the others
-    right-aligned, a rule under the head and above the totals."""
-    foot = list(foot)
-    widths = [max(len(line[i]) for line in [head, *body, *foot]) for i in range(len(head))]
-
-    def line(cells: list[str]) -> str:
-        padded = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in
-                  enumerate(zip(cells, widths, strict=True))]  # fmt: skip
-        return "  ".join(padded).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(head), rule, *map(line, body), rule, *map(line, foot)])
 
 
 def _process(data: dict[str, Any]) -> Process:

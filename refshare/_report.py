@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from . import _env, _ledger
@@ -61,8 +62,12 @@ class Report(NamedTuple):
     rows: tuple[Row, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        """The numbers, by site, to log or plot (``saved`` included)."""
-        return {row.site: {**row._asdict(), "saved": row.saved} for row in self.rows}
+        """The numbers, by site, to log or plot (``saved`` included); a site's audit row
+        under ``"SITE (audit)"``, beside its sharing row."""
+        return {
+            f"{row.site} (audit)" if row.audit else row.site: {**row._asdict(), "saved": row.saved}
+            for row in self.rows
+        }
 
     def bytes_repeated(self, *, audit: bool = False) -> int:
         """The bytes not sent again, over every call site sharing (``audit``: that an audit
@@ -77,19 +82,15 @@ class Report(NamedTuple):
                 "by value", "evicted"]  # fmt: skip
         if verify:
             head += ["verified", "unverified", "mismatches"]
-        lines = [tuple(head)]
+        lines = []
         for r in self.rows:
             line = [r.site, "audit" if r.audit else "sharing", str(r.calls), _mib(r.bytes_sent),
                     _mib(r.bytes_repeated), f"{r.saved:.0%}", _mib(r.bytes_distinct),
                     str(r.by_value), str(r.evictions)]  # fmt: skip
             if verify:
                 line += [str(r.verified), str(r.unverified), str(r.mismatches)]
-            lines.append(tuple(line))
-        widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-        out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                         enumerate(zip(line, widths, strict=True)))
-               for line in lines]  # fmt: skip
-        out.insert(1, "  ".join("-" * w for w in widths))
+            lines.append(line)
+        out = [format_table(head, lines)]
         notes = [
             f"  {r.site}: {count} {what}: {reason}"
             for r in self.rows
@@ -99,6 +100,24 @@ class Report(NamedTuple):
         audit = any(r.audit for r in self.rows)
         tail = ["(audit: what sharing would save; nothing was changed)"] if audit else []
         return "\n".join(out + notes + tail)
+
+
+def format_table(
+    head: list[str], body: list[list[str]], foot: Iterable[list[str]] = (), left: int = 1
+) -> str:
+    """Columns padded to their widest cell, the first ``left`` left-aligned and the others
+    right-aligned, a rule under the head (and above the totals ``foot``, if any)."""
+    foot = list(foot)
+    widths = [max(len(line[i]) for line in [head, *body, *foot]) for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        padded = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in
+                  enumerate(zip(cells, widths, strict=True))]  # fmt: skip
+        return "  ".join(padded).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    tail = [rule, *map(line, foot)] if foot else []
+    return "\n".join([line(head), rule, *map(line, body), *tail])
 
 
 def _mib(nbytes: int) -> str:
