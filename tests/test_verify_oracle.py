@@ -196,17 +196,23 @@ def right_values() -> dict[str, list[Any]]:
     quantized = torch.quantize_per_tensor(torch.rand(256, 256), 0.1, 10, torch.quint8)
     subclass = type("Tagged", (torch.Tensor,), {})
     members = {Member(n) for n in range(16)}
-    return {
+    values = {
         "writable, then read-only": [{"x": arr}, {"x": returned}],
         "a tensor subclass": [torch.ones(1 << 15).as_subclass(subclass)] * 2,
         "a quantized tensor": [quantized] * 2,
         "a set of identity-hashed objects": [members | {arr.tobytes()}] * 2,
         "the same in a dict": [{"members": members, "x": arr}] * 2,
     }
+    assert tuple(values) == RIGHT
+    return values
+
+
+RIGHT = ("writable, then read-only", "a tensor subclass", "a quantized tensor",
+         "a set of identity-hashed objects", "the same in a dict")  # fmt: skip
 
 
 @DEEP
-@pytest.mark.parametrize("case", list(right_values()))
+@pytest.mark.parametrize("case", RIGHT)
 def test_what_is_right_is_verified(probe: Any, case: str, deep: Any) -> None:
     values = right_values()[case]
     for value in values:
