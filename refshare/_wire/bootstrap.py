@@ -143,11 +143,18 @@ def rebuild_skeleton(
             worker.blocking_get_inside_async_warned = warned
     repeated = dict(zip(again, got[len(objects) :], strict=True))
 
+    opened: dict[int, Any] = {}  # each bundle's index and buffers, read once
+
     def rebuild(place: int, dtype: Any) -> Any:
         member = members[place]
-        if type(member) is tuple:
-            return unbundled(got[member[0]], member[1], dtype)
-        return _on_dtype(repeated.get(place, got[member]), dtype)
+        if type(member) is not tuple:
+            return _on_dtype(repeated.get(place, got[member]), dtype)
+        bundle = opened.get(member[0])
+        if bundle is None:
+            index, joined, large = got[member[0]]
+            words = memoryview(index).cast("B").cast("q")
+            bundle = opened[member[0]] = (words, memoryview(joined), large)
+        return unbundled(bundle, member[1], dtype)
 
     unpickler = _SkeletonUnpickler(inband, rebuild, len(members), handles, buffers)
     return _around(native, unpickler.load())
@@ -170,19 +177,19 @@ PICKLE, ARRAY, TENSOR = 0, 1, 2
 
 
 def unbundled(bundle: Any, at: int, dtype: Any) -> Any:
-    """Member ``at`` of a bundle (``refshare._wire.serialized.bundle_form``), as Ray's
-    unpickling of it alone would give it, in time and memory of its own size. The bundle's
-    index says its kind and where each of its pieces lies (in the small pieces joined, or
-    a large one of its own): an array is rebuilt on ``dtype`` from its bytes, a tensor by
-    torch's reduction from its storage's bytes, any other member from its pickle."""
-    index, joined, large = bundle
-    words = memoryview(index).cast("B").cast("q")
+    """Member ``at`` of a bundle (``refshare._wire.serialized.bundle_form``, its index read
+    as int64 words), as Ray's unpickling of it alone would give it, in time and memory of
+    its own size. The index says its kind and where each of its pieces lies (in the small
+    pieces joined, or a large one of its own): an array is rebuilt on ``dtype`` from its
+    bytes, a tensor by torch's reduction from its storage's bytes, any other member from
+    its pickle."""
+    words, joined, large = bundle
     entry = words[1 + at]
     kind, count = words[entry], words[entry + 1]
     pieces = []
     for where in range(entry + 2, entry + 2 + 3 * count, 3):
         source, start, stop = words[where : where + 3]
-        pieces.append(memoryview(joined)[start:stop] if source < 0 else large[source])
+        pieces.append(joined[start:stop] if source < 0 else large[source])
     if kind == ARRAY:  # its layout: whether in F order, whether copied, ndim, shape
         fortran, copied, ndim = words[entry + 5 : entry + 8]
         shape = tuple(words[entry + 8 : entry + 8 + ndim])
