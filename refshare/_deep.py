@@ -198,7 +198,10 @@ class _Splitter:
         if keyed is None:
             return None  # cannot be keyed: left inline, as by value
         self.tensors = self.tensors or leaf_digests.exact(cls) is tensor_digest
-        return self._take(obj, self.members, keyed)
+        # An array's dtype stays in the skeleton, next to where the array was: pickled
+        # there, it is one object with every other place that names it, as by value.
+        dtype = obj.dtype if cls is self.ndarray else None
+        return self._take(obj, self.members, keyed, dtype=dtype)
 
     def reduce(self, obj: Any) -> Any:
         """A reduction of ``obj`` that shows its members, for a type whose pickling hides
@@ -220,13 +223,17 @@ class _Splitter:
             raise NotSplittable(cls.__qualname__)
         return None
 
-    def _take(self, obj: Any, into: list[Any], item: Any, handle: bool = False) -> Any:
+    def _take(
+        self, obj: Any, into: list[Any], item: Any, handle: bool = False, dtype: Any = None
+    ) -> Any:
         entry = self.seen.get(id(obj))
         if entry is not None and entry[0] is obj:
             return entry[1]
         # An int: pickled as it is, where a tuple would be pickled item by item, each item
-        # asked for a persistent id again.
-        pid = ~len(into) if handle else len(into)
+        # asked for a persistent id again (an array's dtype, pickled by pickle's memo).
+        pid: Any = ~len(into) if handle else len(into)
+        if dtype is not None:
+            pid = (pid, dtype)
         into.append(item)
         self.seen[id(obj)] = (obj, pid)
         return pid

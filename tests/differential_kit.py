@@ -7,11 +7,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import hashlib
+import inspect
 import itertools
 import pickle
 import struct
 import sys
+import warnings
 import weakref
 import zlib
 from collections.abc import Callable, Iterator
@@ -112,6 +115,8 @@ class _Describer:
         cls = type(value)
         if isinstance(value, np.ndarray):
             return self.ndarray(value, index)
+        if isinstance(value, np.dtype):
+            return ("dtype", _dtype(value))
         if isinstance(value, np.generic):
             return ("scalar", _qualname(cls), _dtype(value.dtype), _digest(value.tobytes()))
         torch = _torch()
@@ -177,7 +182,7 @@ class _Describer:
         head = (
             "ndarray",
             _qualname(type(arr)),
-            _dtype(arr.dtype),
+            self.visit(arr.dtype),  # an object of its own: pickle's memo shares it
             arr.shape,
             arr.strides,
             bool(flags.c_contiguous),
@@ -231,7 +236,7 @@ class _Describer:
             None if t.is_inference() else t._version,
         )
         body = (_digest(bytes(storage)), _digest(elements.numpy().tobytes()), shared)
-        return (*head, layout, body, state)
+        return (*head, layout, body, state, tensor_state(t))
 
     def memory_sharing(self) -> list[tuple[int, int]]:
         """Which of the arrays visited share memory that one of them can write: a write
@@ -246,10 +251,55 @@ class _Describer:
         return found
 
 
+@functools.cache
+def _tensor_attributes() -> tuple[str, ...]:
+    """Every attribute torch defines on a tensor in C or as a property, found by rule (its
+    data descriptors) rather than listed: what pickling may leave different."""
+    import torch
+
+    kinds = ("getset_descriptor", "member_descriptor", "property")
+    return tuple(
+        name
+        for name in sorted(dir(torch.Tensor))
+        if not name.startswith("__")
+        and name not in ("_cdata", "volatile")  # an address; removed, and it warns
+        and type(inspect.getattr_static(torch.Tensor, name)).__name__ in kinds
+    )
+
+
+def tensor_state(t: Any) -> list[tuple[str, Any]]:
+    """Each of a tensor's attributes (see ``_tensor_attributes``): a tensor by its type (its
+    content derives from the tensor's, described apart), what raises by the error's type,
+    anything else by ``repr``; then its storage's attributes, size and resizability, and
+    torch's metadata of it (its conjugate and negative bits)."""
+    import torch
+
+    found: list[tuple[str, Any]] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in _tensor_attributes():
+            try:
+                item = getattr(t, name)
+            except Exception as error:
+                found.append((name, ("raises", type(error).__name__)))
+                continue
+            is_tensor = isinstance(item, torch.Tensor)
+            found.append((name, _qualname(type(item)) if is_tensor else repr(item)[:200]))
+        try:
+            storage = t.untyped_storage()
+            attrs = sorted((k, repr(v)[:200]) for k, v in vars(storage).items())
+            found.append(("storage", (attrs, storage.nbytes(), storage.resizable())))
+        except Exception as error:
+            found.append(("storage", ("raises", type(error).__name__)))
+        found.append(("metadata", repr(torch._C._get_tensor_metadata(t))))
+    return found
+
+
 def describe_fully(value: Any) -> Any:
     """Everything a by-value receiver can observe of ``value``: types, dtypes (their pickle),
     layouts, flags, bytes, attributes, the state of classes sent by value, aliasing (an
-    object reached twice is named by the index of its first visit) and memory shared
+    object reached twice, an array's dtype among them, is named by the index of its first
+    visit) and memory shared
     between its arrays or tensors; nested refs by what ``ray.get`` gives, actor handles by
     what they answer."""
     describer = _Describer()
@@ -262,7 +312,7 @@ FIELDS = {
                 "writeable", "aligned", "bytes or items", "attributes"),
     "tensor": ("kind", "type", "dtype", "layout", "shape", "requires_grad", "is_leaf",
                "no grad_fn", "is_inference", "strides etc. (sparse: indices, values)",
-               "storage, elements, shared storage", "attributes"),
+               "storage, elements, shared storage", "attributes", "torch state"),
     "object": ("kind", "class", "attributes", "class state"),
     "ObjectRef": ("kind", "same ref as", "content"),
     "ActorHandle": ("kind", "same actor as", "answer"),

@@ -17,7 +17,7 @@ from typing import Any
 from .._deep import deep_reducers
 from .._keys.sizes import metadata_size, sizes, tensor_nbytes
 from .._wire import bootstrap
-from .._wire.tensors import element_bytes
+from .._wire.tensors import compact_stride, element_bytes, storable_as_bytes, tensor_args
 
 
 def _consolidated(td: Any) -> dict[str, Any] | None:
@@ -61,6 +61,8 @@ def consolidated_members(td: Any) -> Any:
     if getattr(rebuild, "__name__", "") != "_rebuild_tensordict_files_consolidated":
         return NotImplemented  # not sent as its consolidated storage
     metadata, storage = args
+    if not storable_as_bytes(storage):
+        return NotImplemented  # its storage not sent by torch's pickling, from the CPU
     flat = element_bytes(storage)
     pieces, at = [], 0
     for start, stop in _leaf_ranges(metadata):
@@ -69,4 +71,6 @@ def consolidated_members(td: Any) -> Any:
         pieces += [flat[at:start].tobytes(), flat[start:stop]]
         at = stop
     pieces.append(flat[at:].tobytes())
-    return bootstrap.rebuild_consolidated, (rebuild, metadata, pieces, flat.size)
+    size, grad = storage.shape, storage.requires_grad
+    sent = tensor_args(pieces, storage.dtype, 0, size, compact_stride(size), grad)
+    return bootstrap.rebuild_consolidated, (rebuild, metadata, sent)

@@ -56,19 +56,22 @@ def flat_bytes(arr: Any) -> tuple[Order, Any]:
     return order, np.ascontiguousarray(arr).reshape(-1).view("u1")
 
 
-def buffer_form(arr: Any) -> tuple[Any, tuple[int, ...], str, pickle.PickleBuffer] | None:
-    """What numpy's protocol-5 pickling sends of an exact, contiguous array of fixed-size
-    elements: its dtype, shape, order and its bytes out of band, rebuilt on the worker as
-    numpy rebuilds it (``bootstrap.rebuild_array``); ``None`` for any other array, which
-    numpy pickles otherwise. The dtype travels as the object it is, so one pickle of many
-    arrays of one dtype makes one dtype object of it, as by value."""
+def array_bytes(arr: Any) -> tuple[Literal["C", "F"], bool, Any] | None:
+    """What numpy's protocol-5 pickling sends of an exact array of fixed-size elements: the
+    order it rebuilds it in, whether it rebuilds an array of its own from a copy sent
+    in-band (a strided array, or one that exports no buffer: a datetime's) rather than a
+    view of the bytes sent out of band, and those bytes (see :func:`flat_bytes`). ``None``
+    for any other array, and anything else."""
     numpy = sys.modules.get("numpy")
     if numpy is None or type(arr) is not numpy.ndarray:
         return None
-    dtype = arr.dtype
-    if dtype.hasobject or not dtype.itemsize:
+    if arr.dtype.hasobject or not arr.dtype.itemsize:
         return None
-    order = memory_order(arr)
+    order, data = flat_bytes(arr)
     if order == "N":
-        return None
-    return dtype, arr.shape, order, pickle.PickleBuffer(arr if order == "C" else arr.T)
+        return "C", True, data
+    try:
+        pickle.PickleBuffer(arr)
+    except (BufferError, ValueError):  # as numpy's own reduction falls back
+        return order, True, data
+    return order, False, data

@@ -14,35 +14,49 @@ import pickle
 from typing import Any, Literal
 
 
-def rebuild_tensor(
-    data: Any, dtype: Any, offset: int, size: Any, stride: Any, requires_grad: bool
-) -> Any:
-    """A CPU tensor from its storage's bytes, as torch's own unpickling would give it: on a
-    writable storage of its own, with the same offset, size, stride and requires_grad, and
-    the empty ``_backward_hooks`` torch's pickle sends in place of any hooks."""
-    import collections
+def rebuild_tensor(rebuild: Any, pieces: list[Any], dtype: Any, *args: Any) -> Any:
+    """A CPU tensor as torch's own unpickling gives it: torch's ``rebuild`` function
+    (``_rebuild_tensor_v2``) run on the arguments torch's pickling sends, on a storage made
+    from the bytes ``pieces`` hold in turn (see :func:`rebuild_storage`)."""
+    return rebuild(rebuild_storage(pieces, dtype), *args)
+
+
+def rebuild_storage(pieces: list[Any], dtype: Any) -> Any:
+    """A storage as ``torch.load`` makes the one it unpickles: ``UntypedStorage(nbytes)``,
+    marked ``_torch_load_uninitialized``, its bytes read in (here copied from ``pieces``), and
+    wrapped in a ``TypedStorage`` of ``dtype`` unless ``dtype`` is ``None``. Writable, and
+    resizable: copied by address, where ``.numpy()`` would pin it."""
     import ctypes
 
     import numpy as np
     import torch
 
-    source = np.frombuffer(data, dtype=np.uint8)
-    storage = torch.empty(source.size, dtype=torch.uint8)
-    if source.size:  # copied by address: through .numpy() torch could no longer resize it
-        ctypes.memmove(storage.data_ptr(), source.ctypes.data, source.size)
-    tensor = torch.empty(0, dtype=dtype).set_(storage.untyped_storage(), offset, size, stride)
-    tensor._backward_hooks = collections.OrderedDict()
-    return tensor.requires_grad_() if requires_grad else tensor
+    sources = [np.frombuffer(piece, dtype=np.uint8) for piece in pieces]
+    storage = torch.UntypedStorage(sum(source.size for source in sources))  # type: ignore[no-untyped-call]
+    storage._torch_load_uninitialized = True  # type: ignore[attr-defined]
+    at = storage.data_ptr()
+    for source in sources:
+        if source.size:
+            ctypes.memmove(at, source.ctypes.data, source.size)
+        at += source.size
+    if dtype is None:
+        return storage
+    return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+        wrap_storage=storage, dtype=dtype, _internal=True
+    )
 
 
-def rebuild_strings(text: str, shape: Any, order: Literal["C", "F"], index: Any = None) -> Any:
+def rebuild_strings(
+    text: str, shape: Any, order: Literal["C", "F"], index: Any = None, dtype: Any = object
+) -> Any:
     """An array of strings from their NUL-joined text, as numpy's unpickling would give it:
-    a writable array of its own, of the same shape and memory order. With ``index``, the
-    text holds each distinct string object once and ``index`` says which fills each element
-    (in ``order``): those elements are one object, as pickle's memo makes them."""
+    a writable array of its own, of the same shape and memory order, on ``dtype`` (the
+    object dtype the pickle names). With ``index``, the text holds each distinct string
+    object once and ``index`` says which fills each element (in ``order``): those elements
+    are one object, as pickle's memo makes them."""
     import numpy as np
 
-    out = np.empty(shape, dtype=object, order=order)
+    out = np.empty(shape, dtype=dtype, order=order)
     flat = out.reshape(-1, order=order)  # a view: filling it fills ``out``
     strings = text.split("\0")
     if index is None:
@@ -70,17 +84,31 @@ def rebuild_native(native: bytes, inband: Any, buffers: list[Any]) -> Any:
 
 
 class _SkeletonUnpickler(pickle.Unpickler):
-    """Unpickles a skeleton, putting each member and handle back where it was taken out."""
+    """Unpickles a skeleton, putting each member and handle back where it was taken out:
+    each member rebuilt once, where the skeleton first names it."""
 
     def __init__(
-        self, inband: bytes, members: list[Any], handles: list[Any], buffers: list[Any]
+        self, inband: bytes, rebuild: Any, places: int, handles: list[Any], buffers: list[Any]
     ) -> None:
         super().__init__(io.BytesIO(inband), buffers=buffers)
-        self.members = members
+        self.rebuild = rebuild
+        self.values: list[Any] = [_UNSET] * places
         self.handles = handles
 
-    def persistent_load(self, pid: int) -> Any:
-        return self.members[pid] if pid >= 0 else self.handles[~pid]
+    def persistent_load(self, pid: Any) -> Any:
+        # An array's place comes with its dtype, unpickled here: one object wherever the
+        # value names it, as pickle's memo makes it by value.
+        place, dtype = pid if type(pid) is tuple else (pid, None)
+        if place < 0:
+            return self.handles[~place]
+        value = self.values[place]
+        if value is _UNSET:
+            value = self.values[place] = self.rebuild(place, dtype)
+        return value
+
+
+#: A place whose member is not rebuilt yet.
+_UNSET: Any = object()
 
 
 def rebuild_skeleton(
@@ -95,11 +123,10 @@ def rebuild_skeleton(
     get, then the rest unpickled around its members, as by value would unpickle the whole.
 
     ``objects`` names each stored object once. A member is ``i``, the ``i``-th object, or
-    ``(i, at)``, the ``at``-th of several members stored in that object, each as its pickle
-    and buffers (see ``refshare._wire.serialized.bundle_form``), of which only those named
-    are unpickled: linear in the members, however many share one object. Each place a
-    member fills gets an object of its own, as by value, where equal values that refshare
-    stored once arrive as distinct objects."""
+    ``(i, at)``, the ``at``-th member of a bundle (see :func:`unbundled`), of which only
+    those named are rebuilt: linear in the members named, however many share one object.
+    Each place a member fills gets an object of its own, as by value, where equal values
+    that refshare stored once arrive as distinct objects."""
     import ray
     from ray._private import worker
 
@@ -115,13 +142,22 @@ def rebuild_skeleton(
         if warned is not None:
             worker.blocking_get_inside_async_warned = warned
     repeated = dict(zip(again, got[len(objects) :], strict=True))
-    values = [
-        _unbundled(*got[member[0]][member[1]])
-        if type(member) is tuple
-        else repeated.get(place, got[member])
-        for place, member in enumerate(members)
-    ]
-    return _around(native, _SkeletonUnpickler(inband, values, handles, buffers).load())
+
+    opened: dict[int, Any] = {}  # each bundle's index and buffers, read once
+
+    def rebuild(place: int, dtype: Any) -> Any:
+        member = members[place]
+        if type(member) is not tuple:
+            return _on_dtype(repeated.get(place, got[member]), dtype)
+        bundle = opened.get(member[0])
+        if bundle is None:
+            index, joined, large = got[member[0]]
+            words = memoryview(index).cast("B").cast("q")
+            bundle = opened[member[0]] = (words, memoryview(joined), large)
+        return unbundled(bundle, member[1], dtype)
+
+    unpickler = _SkeletonUnpickler(inband, rebuild, len(members), handles, buffers)
+    return _around(native, unpickler.load())
 
 
 def _repeats(members: list[Any], count: int) -> list[tuple[int, bool]]:
@@ -136,12 +172,44 @@ def _repeats(members: list[Any], count: int) -> list[tuple[int, bool]]:
     return places
 
 
-def _unbundled(*part: Any) -> Any:
-    """One member of a bundle, as Ray's unpickling of it alone would give it: its pickle
-    ``(inband, buffers)``, or an array's ``(dtype, shape, order, data)``."""
-    if len(part) == 2:
-        return pickle.loads(part[0], buffers=part[1])
-    return rebuild_array(*part)
+#: The kinds of a bundle's members.
+PICKLE, ARRAY, TENSOR = 0, 1, 2
+
+
+def unbundled(bundle: Any, at: int, dtype: Any) -> Any:
+    """Member ``at`` of a bundle (``refshare._wire.serialized.bundle_form``, its index read
+    as int64 words), as Ray's unpickling of it alone would give it, in time and memory of
+    its own size. The index says its kind and where each of its pieces lies (in the small
+    pieces joined, or a large one of its own): an array is rebuilt on ``dtype`` from its
+    bytes, a tensor by torch's reduction from its storage's bytes, any other member from
+    its pickle."""
+    words, joined, large = bundle
+    entry = words[1 + at]
+    kind, count = words[entry], words[entry + 1]
+    pieces = []
+    for where in range(entry + 2, entry + 2 + 3 * count, 3):
+        source, start, stop = words[where : where + 3]
+        pieces.append(joined[start:stop] if source < 0 else large[source])
+    if kind == ARRAY:  # its layout: whether in F order, whether copied, ndim, shape
+        fortran, copied, ndim = words[entry + 5 : entry + 8]
+        shape = tuple(words[entry + 8 : entry + 8 + ndim])
+        found = rebuild_array(dtype, shape, "F" if fortran else "C", pieces[0])
+        # numpy sends some arrays as a copy in-band: by value they are arrays of their own.
+        return found.copy(order="A") if copied else found
+    if kind == TENSOR:
+        rebuild, storage_dtype, *args = pickle.loads(pieces[0])
+        return rebuild_tensor(rebuild, pieces[1:], storage_dtype, *args)
+    return _on_dtype(pickle.loads(pieces[0], buffers=pieces[1:]), dtype)
+
+
+def _on_dtype(value: Any, dtype: Any) -> Any:
+    """``value``, an array its own pickle rebuilt (or ``ray.get`` fetched), on ``dtype``,
+    the object its skeleton names: by value, one pickle makes one dtype object of all the
+    places that name it. Each place has an array of its own: changing it in place keeps
+    it what Ray gave, its flags and base included."""
+    if dtype is not None and value.dtype is not dtype:
+        value.dtype = dtype  # an equal dtype: the array's memory and layout stay
+    return value
 
 
 def rebuild_array(dtype: Any, shape: Any, order: Literal["C", "F"], data: Any) -> Any:
@@ -152,31 +220,60 @@ def rebuild_array(dtype: Any, shape: Any, order: Literal["C", "F"], data: Any) -
     return np.frombuffer(data, dtype=dtype).reshape(shape, order=order)
 
 
-class _TensorsKept(pickle.Pickler):
-    """Pickles all but tensors and storages, which it keeps as they are."""
+class _StoragesKept(pickle.Pickler):
+    """Pickles all but storages, which it keeps as they are (the untyped storage, and the
+    dtype of a typed one), each once however many tensors view it, as ``torch.save`` does:
+    tensors by torch's own reduction, as ``torch.save`` pickles them."""
 
     def __init__(self, stream: io.BytesIO, kept: list[Any]) -> None:
         super().__init__(stream, protocol=pickle.HIGHEST_PROTOCOL)
         self.kept = kept
+        self.places: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> int | None:
         import torch
 
-        if isinstance(obj, torch.Tensor | torch.UntypedStorage | torch.TypedStorage):
-            self.kept.append(obj)
-            return len(self.kept) - 1
-        return None
+        if isinstance(obj, torch.TypedStorage):
+            storage, dtype = obj._untyped_storage, obj.dtype
+        elif isinstance(obj, torch.UntypedStorage):
+            storage, dtype = obj, None
+        else:
+            return None
+        place = self.places.setdefault(storage._cdata, len(self.kept))
+        if place == len(self.kept):
+            self.kept.append((storage, dtype))
+        return place
+
+
+def _loaded_storage(storage: Any, dtype: Any) -> Any:
+    """A storage as ``torch.load``'s reader of ``torch.save``'s files hands it to torch's
+    rebuild, over ``storage``'s memory (a member rebuilt for this place, not copied again):
+    a storage object of its own, not resizable (the reader's memory is not) and unmarked
+    (only the reader of pickled storages marks its own), typed by ``dtype`` unless it is
+    ``None``."""
+    import torch
+
+    memory = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()  # holds ``storage``
+    loaded = torch.from_numpy(memory).untyped_storage()
+    if dtype is None:
+        return loaded
+    return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+        wrap_storage=loaded, dtype=dtype, _internal=True
+    )
 
 
 def _as_loaded(batch: Any) -> Any:
-    """``batch`` as ``torch.load`` gives it back, its tensors aside: all else (its keys,
-    names, metadata) new objects, shared with nothing outside it. By value a batch travels
-    as ``torch.save``'s bytes, a pickle of its own; rebuilt from a skeleton, its keys would
-    be the very strings that other parts of the skeleton name."""
+    """``batch`` as ``torch.load`` gives it back, its storages aside: each tensor rebuilt by
+    torch's own rebuild function, on the storage it had, and all else (its keys, names,
+    metadata) new objects, shared with nothing outside it. By value a batch travels as
+    ``torch.save``'s bytes, a pickle of its own; rebuilt from a skeleton, its keys would be
+    the very strings that other parts of the skeleton name, and its tensors made by
+    tensordict's or refshare's code, not by torch's unpickling."""
     stream = io.BytesIO()
     kept: list[Any] = []
-    _TensorsKept(stream, kept).dump(batch)
-    return _SkeletonUnpickler(stream.getvalue(), kept, [], []).load()
+    _StoragesKept(stream, kept).dump(batch)
+    rebuild = lambda at, _: _loaded_storage(*kept[at])  # noqa: E731
+    return _SkeletonUnpickler(stream.getvalue(), rebuild, len(kept), [], []).load()
 
 
 def code_digest(hook: Any) -> bytes | None:
@@ -230,27 +327,11 @@ def rebuild_dataproto(
     return data
 
 
-def rebuild_consolidated(rebuild: Any, metadata: Any, pieces: list[Any], nbytes: int) -> Any:
-    """A consolidated ``TensorDict`` from its storage's pieces (each leaf's bytes, and the
-    padding between them), as its own unpickling rebuilds it from metadata and storage."""
-    import collections
-    import ctypes
-
-    import numpy as np
-    import torch
-
-    memory = torch.UntypedStorage(nbytes)  # type: ignore[no-untyped-call]
-    at = memory.data_ptr()
-    for piece in pieces:
-        source = np.frombuffer(piece, dtype=np.uint8)
-        if source.size:
-            ctypes.memmove(at, source.ctypes.data, source.size)
-        at += source.size
-    # As torch's unpickling makes the storage tensor: set_ on the storage (version 1), and
-    # the empty backward hooks its pickle sends.
-    storage = torch.empty(0, dtype=torch.uint8).set_(memory, 0, (nbytes,), (1,))
-    storage._backward_hooks = collections.OrderedDict()
-    return rebuild(metadata, storage)
+def rebuild_consolidated(rebuild: Any, metadata: Any, storage: tuple[Any, ...]) -> Any:
+    """A consolidated ``TensorDict`` as its own unpickling rebuilds it: tensordict's
+    ``rebuild`` from its metadata and its storage, a uint8 tensor that torch's pickling
+    sends (``storage``: the arguments of :func:`rebuild_tensor`, its bytes in pieces)."""
+    return rebuild(metadata, rebuild_tensor(*storage))
 
 
 def rebuild_roll_dataproto(cls: Any, fields: Any, setstate: bytes | None = None) -> Any:

@@ -128,9 +128,16 @@ class StringArray:
     __slots__ = ("args",)
 
     def __init__(
-        self, text: str, shape: tuple[int, ...], order: Literal["C", "F"], index: Any = None
+        self,
+        text: str,
+        shape: tuple[int, ...],
+        order: Literal["C", "F"],
+        index: Any = None,
+        dtype: Any = object,
     ) -> None:
-        self.args = (text, shape, order, index)
+        # The dtype object itself: pickled where the array is, it is one object with every
+        # other place the value names it, as numpy's pickling makes it by value.
+        self.args = (text, shape, order, index, dtype)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return bootstrap.rebuild_strings, self.args
@@ -142,4 +149,4 @@ def strings_form(value: Any) -> StringArray | None:
     if found is None:
         return None
     ship_by_value(bootstrap)
-    return StringArray(found.text, tuple(value.shape), found.order, found.index)
+    return StringArray(found.text, tuple(value.shape), found.order, found.index, value.dtype)

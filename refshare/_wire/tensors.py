@@ -3,10 +3,10 @@
 Ray sends a tensor with torch's own pickling, which ``torch.save``s its storage into bytes
 that Ray then copies into the pickle and the object store: three copies on the driver.
 refshare puts the storage's bytes as one out-of-band buffer instead
-(one copy, at memory speed), with its dtype, offset, size, stride and ``requires_grad``;
-the worker rebuilds the tensor with :func:`refshare._wire.bootstrap.rebuild_tensor` and
-gets what torch's unpickling gives it: a tensor on a writable storage of its own, of the
-same layout.
+(one copy, at memory speed), in torch's own reduction of the tensor: the worker runs
+torch's rebuild function on the arguments torch sends (see
+:func:`refshare._wire.bootstrap.rebuild_tensor`), the storage made as ``torch.load`` makes
+it, and gets what torch's unpickling gives it, down to its empty backward hooks.
 
 This applies to a plain CPU tensor, put on its own or inside a value refshare pickles
 itself, where Ray would use torch's pickling or its own zero-copy reducer
@@ -18,6 +18,8 @@ program registered for ``torch.Tensor`` (``ray.util.register_serializer``) is le
 
 from __future__ import annotations
 
+import collections
+import functools
 import pickle
 import sys
 from typing import Any
@@ -117,17 +119,61 @@ def _serializer_of_ours() -> bool:
 def storable_as_bytes(t: Any) -> bool:
     """Whether refshare stores ``t`` as its storage's bytes: a plain tensor that Ray would
     send through torch's pickling (or its zero-copy reducer), whose conjugate and negative
-    bits are unset. The worker then gets a tensor on memory of its own."""
-    return plain_tensor(t) and _serializer_of_ours()
+    bits are unset, of a dtype torch rebuilds from a storage. The worker then gets a tensor
+    on memory of its own."""
+    return plain_tensor(t) and _serializer_of_ours() and _torch_rebuild(t.dtype) is not None
+
+
+@functools.cache
+def _torch_rebuild(dtype: Any) -> tuple[Any, Any, tuple[Any, ...]] | None:
+    """How torch's own pickling rebuilds a CPU tensor of ``dtype``, read from its reduction
+    of one: its rebuild function, the dtype of the typed storage it sends (``None`` for an
+    untyped one), and what it sends after the tensor's backward hooks (``v3``'s dtype).
+    ``None`` where that function is not ``_rebuild_tensor_v2`` or ``v3``, whose arguments
+    torch keeps as they are for the files it saved long ago."""
+    torch = sys.modules["torch"]
+    try:
+        rebuild, args = torch.empty(0, dtype=dtype).__reduce_ex__(5)
+    except Exception:  # a dtype torch makes no plain tensor of: Ray's pickling sends it
+        return None
+    if rebuild not in (torch._utils._rebuild_tensor_v2, torch._utils._rebuild_tensor_v3):
+        return None
+    storage = args[0]
+    typed = storage.dtype if isinstance(storage, torch.storage.TypedStorage) else None
+    return rebuild, typed, tuple(args[6:])
+
+
+def tensor_args(
+    pieces: list[Any], dtype: Any, offset: int, size: Any, stride: Any, grad: bool
+) -> tuple[Any, ...]:
+    """What ``bootstrap.rebuild_tensor`` rebuilds a tensor from: torch's own reduction of
+    it, its storage given as the bytes that ``pieces`` hold in turn."""
+    found = _torch_rebuild(dtype)
+    assert found is not None, "storable_as_bytes checks it"
+    rebuild, typed, tail = found
+    # torch never pickles hooks: each tensor sends an empty OrderedDict of its own.
+    hooks: Any = collections.OrderedDict()
+    return (rebuild, pieces, typed, offset, tuple(size), tuple(stride), grad, hooks, *tail)
+
+
+def compact_stride(size: Any) -> tuple[int, ...]:
+    """The strides of a row-major tensor of ``size`` (what ``t.contiguous()`` has)."""
+    stride, step = [], 1
+    for length in reversed(tuple(size)):
+        stride.append(step)
+        step *= max(length, 1)
+    return tuple(stride[::-1])
 
 
 class TensorBytes:
-    """A tensor as refshare stores it: pickles as its storage's bytes, out of band."""
+    """A tensor as refshare stores it: torch's own reduction of it, its storage as its
+    bytes, out of band."""
 
     __slots__ = ("args",)
 
     def __init__(self, data: Any, dtype: Any, offset: int, size: Any, stride: Any, grad: bool):
-        self.args = (pickle.PickleBuffer(data), dtype, offset, tuple(size), tuple(stride), grad)
+        pieces = [pickle.PickleBuffer(data)]
+        self.args = tensor_args(pieces, dtype, offset, size, stride, grad)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return bootstrap.rebuild_tensor, self.args
@@ -144,17 +190,22 @@ def tensor_form(value: Any) -> TensorBytes | None:
     )
 
 
+def bytes_form(value: Any) -> TensorBytes | None:
+    """What refshare stores for a tensor it stores as bytes: a plain CPU tensor's storage,
+    or the elements a ``TensorElements`` sends; ``None`` for anything else."""
+    if type(value) is TensorElements:
+        return elements_form(value.tensor)
+    return tensor_form(value)
+
+
 def elements_form(t: Any) -> TensorBytes | None:
     """A tensor's own elements as the bytes of a compact tensor (see ``TensorElements``),
     or ``None`` when Ray's own pickling must send it."""
     if not storable_as_bytes(t):
         return None
     ship_by_value(bootstrap)
-    stride, step = [], 1
-    for length in reversed(t.shape):
-        stride.append(step)
-        step *= max(length, 1)
-    return TensorBytes(element_bytes(t), t.dtype, 0, t.shape, stride[::-1], t.requires_grad)
+    stride = compact_stride(t.shape)
+    return TensorBytes(element_bytes(t), t.dtype, 0, t.shape, stride, t.requires_grad)
 
 
 class TensorElements:
