@@ -273,40 +273,43 @@ def test_what_verify_cannot_describe_is_unverified_and_goes_by_value() -> None:
 
 
 @ray.remote(num_cpus=0.05)
-class OtherTorch:
-    """A worker whose torch rebuilds an unpickled tensor its own way, as another version
-    might: each tensor its unpickling makes is marked."""
+class OtherNumpy:
+    """A worker whose numpy rebuilds an unpickled array of objects its own way, as another
+    version might: each array its unpickling makes is of a subclass of its own."""
 
     def __init__(self) -> None:
-        import torch._utils
+        import importlib
 
-        original = torch._utils._rebuild_tensor_v2
+        module = importlib.import_module(
+            np.ndarray.__reduce_ex__(np.empty(1, object), 5)[0].__module__
+        )
+        original = module._reconstruct
 
-        def rebuild(*args: Any, **kwargs: Any) -> Any:
-            made = original(*args, **kwargs)
-            made.rebuilt_by = "this worker's torch"
-            return made
+        class Rebuilt(np.ndarray):
+            pass
 
-        torch._utils._rebuild_tensor_v2 = rebuild
+        def rebuild(*args: Any) -> Any:
+            return original(*args).view(Rebuilt)
 
-    def mark(self, t: Any) -> Any:
-        return getattr(t, "rebuilt_by", None)
+        module._reconstruct = rebuild
+
+    def kind(self, arr: Any) -> str:
+        return type(arr).__name__
 
 
 @mismatches_expected
 def test_the_workers_check_judges_the_code_the_worker_runs() -> None:
-    """Issue 40, 7: refshare rebuilds a tensor from its bytes, where by value the worker's
-    torch unpickles it. On the driver both compare equal; on this worker they do not, and
-    only ``verify="worker"`` gives the method what it gets by value."""
-    torch = pytest.importorskip("torch")
-    worker = OtherTorch.remote()  # type: ignore[attr-defined]
-    t = torch.arange(float(1 << 15))
-    assert ray.get(worker.mark.remote(t)) == "this worker's torch"  # by value
+    """Issue 40, 7: refshare rebuilds an array of strings from its joined text, where by
+    value the worker's numpy unpickles it. On the driver both compare equal; on this worker
+    they do not, and only ``verify="worker"`` gives the method what it gets by value."""
+    worker = OtherNumpy.remote()  # type: ignore[attr-defined]
+    uids = np.array([f"uid-{i}" for i in range(5000)], dtype=object)
+    assert ray.get(worker.kind.remote(uids)) == "Rebuilt"  # by value
     with refshare.sharing(min_bytes=1 << 10, verify=True):
-        assert ray.get(worker.mark.remote(t)) is None  # the driver cannot see it
+        assert ray.get(worker.kind.remote(uids)) == "ndarray"  # the driver cannot see it
     assert refshare.stats().verified == 1
     with refshare.sharing(min_bytes=1 << 10, verify="worker"):
-        assert ray.get(worker.mark.remote(t)) == "this worker's torch"
+        assert ray.get(worker.kind.remote(uids)) == "Rebuilt"
     assert counted("mismatches", 1) == 1
     assert refshare.stats().verified == 1
     ray.kill(worker)
