@@ -188,9 +188,10 @@ class RefCache:
             return [ref if e is None else e.ref for (_, ref), e in zip(items, found, strict=True)]
 
     def _insert(self, new: list[tuple[Hashable, CacheEntry]]) -> bool:
-        """Add ``new`` entries, evicting the least recently used others while what the cache
-        keeps alive passes the budget, or while they have gone unused past the horizon (see
-        ``_reuse``); add none (and evict nothing) if they alone would not fit."""
+        """Add ``new`` entries, evicting the others that have gone unused past their horizon
+        (see ``_reuse``; an object's entries once all of them have), then the least recently
+        used while what the cache keeps alive passes the budget; add none (and evict nothing)
+        if they alone would not fit."""
         budget = self.max_bytes
         objects = dict(kept for _, entry in new for kept in entry.keeps)
         if sum(objects.values()) > budget:
@@ -200,11 +201,14 @@ class RefCache:
             self._entries[key] = entry
             self._keep(entry)
         self._reuse.stored((key for key, _ in new), self._nbytes - before)
+        for key in self._reuse.expired():
+            found = self._entries.get(key)
+            mates = self._groups.get(found.group, ()) if found is not None else ()
+            if found is not None and not any(map(self._reuse.within, mates)):
+                self._evict(key, found)
         first = new[0][0]
-        while (oldest := next(iter(self._entries))) != first:  # the new entries came last
-            if self._nbytes <= budget and not self._reuse.stale(oldest):
-                break
-            self.popitem()
+        while self._nbytes > budget and next(iter(self._entries)) != first:
+            self.popitem()  # the new entries came last
         return True
 
     def _keep(self, entry: CacheEntry) -> None:
@@ -237,13 +241,18 @@ class RefCache:
         """Evict the least recently used entry, and the others of its group; return the
         first's ``(key, ref)``."""
         with self._lock:
-            key, entry = self._entries.popitem(last=False)
-            self._evicted(key, entry)
-            for other in self._groups.pop(entry.group, ()):  # no group: none
-                evicted = self._entries.pop(other, None)
-                if evicted is not None:
-                    self._evicted(other, evicted)
+            key, entry = next(iter(self._entries.items()))
+            self._evict(key, entry)
         return key, entry.holder
+
+    def _evict(self, key: Hashable, entry: CacheEntry) -> None:
+        """Evict ``key``'s ``entry``, and the others of its group."""
+        del self._entries[key]
+        self._evicted(key, entry)
+        for other in self._groups.pop(entry.group, ()):  # no group: none
+            evicted = self._entries.pop(other, None)
+            if evicted is not None:
+                self._evicted(other, evicted)
 
     def _evicted(self, key: Hashable, entry: CacheEntry) -> None:
         """Counted in the report of the call site whose put made room (an audit's: would

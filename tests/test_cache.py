@@ -136,6 +136,46 @@ def test_what_it_keeps_follows_how_far_apart_its_hits_come() -> None:
     assert "rollout-0-0" not in cache and "rollout-59-2" in cache
 
 
+def test_a_chunk_sent_again_within_its_step_only_goes_with_the_step() -> None:
+    """As verl's PPO step sends them: the weights once a step; four new 9 MiB chunks, each
+    sent again by the step's last call and never after; now and then a value of a kind sent
+    once. Each entry is kept as long as its own reuses were apart, so the cache holds the
+    weights, the step's chunks and at most one of the step before (the chunk sent again
+    farthest from its store), not every chunk of the last step and a half, which a horizon
+    common to all entries (the weights') kept."""
+    cache = RefCache(max_bytes=10_000 * MiB)
+    misses = 0
+    held = []
+    for step in range(40):
+        if cache.get("weights") is None:
+            misses += 1
+            cache.setdefault("weights", "w", 32 * MiB)
+        if step % 5 == 0:
+            cache.setdefault(f"once-{step}", f"o{step}", 7 * MiB)  # never sent again
+        chunks = [f"chunk-{step}-{i}" for i in range(4)]
+        for chunk in chunks:
+            cache.setdefault(chunk, chunk, 9 * MiB)
+        for chunk in chunks:  # the last call sends the batch again
+            assert cache.get(chunk) is not None
+        held.append(cache.nbytes)
+    assert misses == 1
+    assert max(held[10:]) <= (32 + 4 * 9 + 9 + 7) * MiB, [h // MiB for h in held]
+    assert "once-30" not in cache and f"chunk-{step - 1}-3" not in cache
+
+
+def test_entries_stored_in_one_object_go_when_none_is_sent_again() -> None:
+    """A bundle's entries are kept while one of them is still within its horizon, and go
+    together once none is."""
+    cache = RefCache(max_bytes=10_000 * MiB)
+    cache.setdefault_group("bundle", [("a", "ra"), ("b", "rb")], 8 * MiB)
+    for step in range(30):
+        cache.setdefault(f"new-{step}", f"n{step}", MiB)
+        if step < 20:
+            assert cache.get("a") is not None  # "a" is sent again every step, "b" never
+        assert ("a" in cache and "b" in cache) or step >= 20  # "b" stays, in a's object
+    assert "a" not in cache and "b" not in cache  # "a" stopped: both went
+
+
 def test_a_reuse_farther_apart_than_the_horizon_is_learned_from_its_miss() -> None:
     """An entry evicted for its age and sent again is remembered: its miss teaches the
     cache how far apart it comes, and from then on it is kept."""
