@@ -23,7 +23,7 @@ from .._keys import Keyed
 from .._keys.pickler import runs_own_pickling
 from .._keys.sizes import SCALARS, estimate_size, measure
 from .._keys.tables import leaf_digests, user_fingerprints
-from .._ledger import Ledger, Tab
+from .._ledger import Ledger, Tab, Timing
 from .._options import Options
 from .._ray.session import current_session
 from .._verify import verifier, verify_by_env
@@ -70,6 +70,11 @@ class Scope:
         self.session: tuple[str, str] | None = None
 
     # -- a task's arguments, ray.put and share() ---------------------------------------------
+
+    def timing(self) -> Timing | None:
+        """A clock for the call about to be sent: auditing, what keying its arguments takes
+        and what Ray takes to send them by value (see ``_ledger.Timing``); else ``None``."""
+        return self.ledger.timing()
 
     def rewrite(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Return the task's ``args`` and ``kwargs`` with large values replaced by refs.
