@@ -9,32 +9,31 @@ with a margin: the weights sent once a step stay from step to step, while a roll
 sent again by the next calls of its step and then never, goes soon after the step's last
 call (a horizon common to all entries would keep every chunk for as long as the weights are
 kept: a step and a half of them). An entry not used again since it was stored is kept for as
-long as the median of the latest first reuses (the distance from an entry's store to its
-first use again), with the same margin: most entries that come back do so by then, and one
-that comes back later (the weights, on the first step) pays one miss and is then kept for
-its own distance. Until a first reuse is seen, nothing is evicted for its age: the budget
-alone bounds the cache.
+long as the longest first reuse seen lately (the distance from an entry's store to its
+first use again), with the same margin; a distance counts as seen lately until the cache has
+stored three times as much since (a pattern that repeats shows it again by then). Until a
+first reuse is seen, nothing is evicted for its age: the budget alone bounds the cache.
 
 An evicted entry sent again is remembered (its key, a ghost), so that its miss still teaches
 the distance it would have needed: from then on it is kept that long, and if it had never
-been used again, its distance counts as a first reuse.
+been used again, entries not used again are kept that long too.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
-#: An entry is kept for its longest reuse distance (or the median first reuse) times this,
-#: plus :data:`SLACK`.
+#: An entry is kept for its longest reuse distance (or the longest first reuse seen lately)
+#: times this, plus :data:`SLACK`.
 MARGIN = 1.5
 #: Bytes added to every horizon, so that what is weighed a few bytes apart (an audit's
 #: estimate of what the store holds, and the store's own count) is evicted alike.
 SLACK = 64 << 10
-#: First reuses remembered at most: the latest, whose median decides.
-WINDOW = 64
+#: A distance seen at some point stops counting once this many times it has been stored since.
+MEMORY = 3
 #: Evicted keys remembered at most (the oldest are forgotten).
 MAX_GHOSTS = 4096
 
@@ -46,8 +45,7 @@ def _kept_for(distance: float) -> float:
 class Reuse:
     """The reuse distances of one cache's entries (not thread-safe: the cache's lock)."""
 
-    __slots__ = ("_clock", "_expiries", "_fresh", "_ghosts", "_horizon", "_last", "_order",
-                 "_own", "_seen")  # fmt: skip
+    __slots__ = ("_clock", "_expiries", "_fresh", "_ghosts", "_last", "_order", "_own", "_seen")
 
     def __init__(self) -> None:
         self._clock = 0  #: bytes stored through the cache so far
@@ -62,9 +60,10 @@ class Reuse:
         self._order = itertools.count()
         #: Evicted key -> its last use and its longest reuse distance (-1: never used again).
         self._ghosts: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
-        #: The distances of the latest first reuses, the oldest first.
-        self._seen: deque[int] = deque(maxlen=WINDOW)
-        self._horizon: float | None = None  #: see :meth:`horizon`
+        #: First reuses seen lately as (distance, clock when seen), the distances decreasing:
+        #: each one seen later than the ones before it, and shorter, else it would have
+        #: replaced them.
+        self._seen: list[tuple[int, int]] = []
 
     def stored(self, keys: Iterable[Hashable], nbytes: int) -> None:
         """``keys`` were stored, in objects weighing ``nbytes`` in all."""
@@ -147,14 +146,17 @@ class Reuse:
 
     def horizon(self) -> float | None:
         """How long an entry not used again since it was stored may go unused and still be
-        kept: the median of the latest first reuses, with the margin; ``None`` before any."""
-        return self._horizon
+        kept; ``None`` before any reuse."""
+        seen, clock = self._seen, self._clock
+        while seen and clock - seen[0][1] > MEMORY * seen[0][0] + SLACK:
+            seen.pop(0)
+        return _kept_for(seen[0][0]) if seen else None
 
     def _see(self, distance: int) -> None:
-        """A first reuse at ``distance`` (or the miss of an entry evicted unused)."""
         seen = self._seen
-        seen.append(distance)
-        self._horizon = _kept_for(sorted(seen)[len(seen) // 2])
+        while seen and seen[-1][0] <= distance:
+            seen.pop()
+        seen.append((distance, self._clock))
 
     def clear(self) -> None:
         self._clock = 0
@@ -164,4 +166,3 @@ class Reuse:
         self._expiries.clear()
         self._ghosts.clear()
         self._seen.clear()
-        self._horizon = None
