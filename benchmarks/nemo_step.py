@@ -57,6 +57,7 @@ class Config:
     steps: int  # timed steps
     warmup: int  # untimed steps first
     store_bytes: int
+    budget: str = "default"  # each cache's: see options.step_parser
 
 
 MODES = {
@@ -175,7 +176,7 @@ def run(config: Config) -> dict[str, Any]:
         return run_step(group, rollout(config, step), strategy, sharing)
 
     try:
-        _, record = steps.replay("nemo", workers, config, turn, CALLS)
+        _, record = steps.replay("nemo", workers, config, turn, CALLS, sharing=sharing)
     finally:
         session.stop_group(group)
     return {"patch": sharing.how, **record, "goals": goals(record["summary"], broadcast_hit=None)}

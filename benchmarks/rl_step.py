@@ -51,8 +51,8 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from _harness import options, session, steps
-from _harness.report import DASH, TIMES, MiB
+from _harness import long_run, options, session, steps
+from _harness.report import DASH, TIMES, MiB, cannot_plot, machine_lines
 from _harness.step_report import goals, setup_lines, step_report
 from _harness.steps import Turn
 
@@ -80,6 +80,7 @@ class Config:
     steps: int  # timed steps
     warmup: int  # untimed steps first
     store_bytes: int
+    budget: str = "default"  # each cache's: see options.step_parser
 
 
 MODES = {
@@ -355,26 +356,38 @@ def distinct_bytes(td: Any) -> int:
 # -- the run ----------------------------------------------------------------------------------
 
 
-def run_backend(backend: Backend, config: Config, flow: str) -> dict[str, Any]:
-    """Warm up, then time every step under every strategy, interleaved."""
+def step_turns(backend: Backend, config: Config, flow: str) -> Callable[[str, int], Turn]:
+    """One step of ``flow`` under a strategy: a new rollout every step, the same weights."""
     if flow == "tensordict":
-        calls, strategies = LEGACY_CALLS, steps.WITH_AUTO
 
         def turn(strategy: str, step: int) -> Turn:
             return run_legacy_step(
                 backend, legacy_batch(backend.data_proto, config, step), strategy
             )
 
-    else:
-        base = rollouts(config)
-        weights = torch.randn(config.weights_bytes // 4, generator=torch.Generator().manual_seed(1))
-        calls, strategies = CALLS, steps.STRATEGIES
+        return turn
+    base = rollouts(config)
+    weights = torch.randn(config.weights_bytes // 4, generator=torch.Generator().manual_seed(1))
 
-        def turn(strategy: str, step: int) -> Turn:
-            return run_step(backend, step_batch(backend.data_proto, base, step), weights, strategy)
+    def dataproto_turn(strategy: str, step: int) -> Turn:
+        return run_step(backend, step_batch(backend.data_proto, base, step), weights, strategy)
 
+    return dataproto_turn
+
+
+def run_backend(backend: Backend, config: Config, flow: str, long: int = 0) -> dict[str, Any]:
+    """Warm up, then time every step under every strategy, interleaved; or (``long``) that
+    many steps by value, then with refshare's defaults, the store read all along."""
+    turn = step_turns(backend, config, flow)
     workers = backend.group.workers
-    timed, record = steps.replay(backend.name, workers, config, turn, calls, strategies)
+    if long:
+        found = long_run.long_replay(backend.name, workers, config, turn, backend.sharing, long)
+        return {"label": backend.label, "patch": backend.sharing.how, **found}
+    calls = LEGACY_CALLS if flow == "tensordict" else CALLS
+    strategies = steps.WITH_AUTO if flow == "tensordict" else steps.STRATEGIES
+    timed, record = steps.replay(
+        backend.name, workers, config, turn, calls, strategies, backend.sharing
+    )
     out = {"label": backend.label, "patch": backend.sharing.how, **record}
     if flow == "tensordict":
         return out | {"goals": goals(record["summary"], None)}
@@ -472,6 +485,27 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def long_report(results: dict[str, Any]) -> str:
+    """The report of ``--long``: what the store held over the steps, by value and refshare."""
+    c, dispatch, flow = results["config"], results["dispatch"], results["flow"]
+    ((name, r),) = results["backends"].items()
+    title = "the legacy trainer's TensorDicts" if flow == "tensordict" else dispatch
+    lines = [f"# Long RL-step replay: what the object store holds ({title})", ""]
+    setup = [
+        *machine_lines(results["meta"]),
+        "",
+        f"Ray: one local session, `ray.init(num_cpus=2, object_store_memory="
+        f"{c['store_bytes'] // MiB} MiB)`, {WORLD} workers of {ACTOR_CPUS} CPU, store warmed "
+        f"first. {name}: {r['label']}; refshare on for its steps as {r['patch']}, with a "
+        "`refshare.RefCache()` of the default budget (a quarter of the store). Each step as "
+        f"the short replay's ({c['batch']} sequences): a new rollout every step, the same "
+        f"{c['weights_bytes'] // MiB} MiB of weights every step"
+        + (" (no broadcast on this flow)." if flow == "tensordict" else "."),
+        "",
+    ]
+    return "\n".join(lines + long_run.markdown(r, setup))
+
+
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     has_verl = importlib.util.find_spec("verl") is not None
     parser = options.step_parser(__doc__ or "")
@@ -484,7 +518,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--dispatch", choices=("dp", "nd"), help="compute calls (default dp)")
     parser.add_argument("--no-tensordict", action="store_true", help="mirror: dict batches")
+    parser.add_argument(
+        "--long", type=int, default=0, metavar="N",
+        help="N steps by value, then N with refshare's defaults, the store read all along",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.long and args.backend == "both":
+        parser.error("--long replays one backend: --backend verl or mirror")
     if args.backend != "mirror" and not has_verl:
         parser.error("verl is not importable: use --backend mirror")
     if args.flow == "tensordict":
@@ -508,13 +548,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in names:
             backend = (verl_backend if name == "verl" else mirror_backend)(args.dispatch)
             try:
-                backends[name] = run_backend(backend, config, args.flow)
+                backends[name] = run_backend(backend, config, args.flow, args.long)
             finally:
                 session.stop_group(backend.group)
         return {"dispatch": args.dispatch, "flow": args.flow, "backends": backends}
 
     stem = {"dp": "rl_step", "nd": "rl_step_nd"}[args.dispatch]
     stem = "rl_step_tensordict" if args.flow == "tensordict" else stem
+    if args.long:
+        results = steps.run_replay("rl_step.py", config, measure, long_report, args.out,
+                                   f"{stem}_long")  # fmt: skip
+        (name,) = results["backends"]
+        if cannot_plot("png") is None:
+            long_run.plot(results["backends"][name], args.out / f"{stem}_long.png")
+        return 0
     results = steps.run_replay("rl_step.py", config, measure, report, args.out, stem)
     same = all(all(r["checksums_same_every_step"]) for r in results["backends"].values())
     return 0 if same else 1

@@ -92,6 +92,7 @@ class Config:
     steps: int  # timed steps
     warmup: int  # untimed steps first
     store_bytes: int
+    budget: str = "default"  # each cache's: see options.step_parser
 
 
 MODES = {
@@ -232,7 +233,7 @@ def run(config: Config) -> dict[str, Any]:
         def turn(strategy: str, step: int) -> Turn:
             return run_step(clusters, make_batch(config, step), strategy, sharing)
 
-        _, record = steps.replay("roll", workers, config, turn, tuple(CALLS))
+        _, record = steps.replay("roll", workers, config, turn, tuple(CALLS), sharing=sharing)
     finally:
         for cluster in clusters.values():
             session.stop_group(cluster)

@@ -63,6 +63,7 @@ class Config:
     steps: int  # timed steps
     warmup: int  # untimed steps first
     store_bytes: int
+    budget: str = "default"  # each cache's: see options.step_parser
 
 
 MODES = {
@@ -322,7 +323,7 @@ def run(config: Config) -> dict[str, Any]:
         return run_step(dispatch, workers, rollout(config, step), step, strategy, sharing)
 
     try:
-        _, record = steps.replay("skyrl", workers, config, turn, CALLS)
+        _, record = steps.replay("skyrl", workers, config, turn, CALLS, sharing=sharing)
     finally:
         for worker in workers:
             ray.kill(worker)

@@ -14,6 +14,9 @@ from ._admission import Admission, Splitting
 from ._pressure import default_budget
 from ._reuse import Reuse
 
+#: The share of its budget a cache keeps whatever the ages of its entries: a horizon learned
+#: in a loop's first step, before the loop came round once, is often shorter than the loop.
+AGE_FLOOR = 0.5
 
 def _check_max_bytes(max_bytes: object) -> int | None:
     if max_bytes is None:
@@ -54,13 +57,14 @@ class RefCache:
     What the cache weighs is what the object store holds for the objects its entries keep
     alive, each object counted once however many entries keep it: a bundle's parts, and a
     skeleton with the members it names (recorded when each was stored; a ref itself has no
-    size). Eviction happens in :meth:`popitem` only and drops nothing but refshare's
-    reference: Ray keeps the arguments of tasks already submitted alive. An entry larger
+    size). Eviction drops nothing but refshare's reference: Ray keeps the arguments of tasks already submitted alive. An entry larger
     than the whole budget is not cached. Entries stored in one object (a ``group``) are
     evicted together: none of its bytes is freed while one of them is kept.
 
-    Within its budget, it keeps what is likely to be sent again: an entry unused for longer
-    than the reuse distances its hits show is evicted on the next insert (see ``_reuse``).
+    Within its budget, it keeps what is likely to be sent again: once it keeps more than
+    :data:`AGE_FLOOR` of its budget, an entry unused for longer than the reuse distances its
+    hits show is evicted on the next insert (see ``_reuse``). Below that floor, what it keeps
+    costs no one room: a put that would fill the store lets go of it first (``_pressure``).
 
     ``max_bytes=None`` means a quarter of the object store of the node the driver runs on,
     read when the cache is first used in a Ray session. Refs are valid only in the Ray
@@ -188,9 +192,10 @@ class RefCache:
             return [ref if e is None else e.ref for (_, ref), e in zip(items, found, strict=True)]
 
     def _insert(self, new: list[tuple[Hashable, CacheEntry]]) -> bool:
-        """Add ``new`` entries, evicting the least recently used others while what the cache
-        keeps alive passes the budget, or while they have gone unused past the horizon (see
-        ``_reuse``); add none (and evict nothing) if they alone would not fit."""
+        """Add ``new`` entries, evicting the others that have gone unused past their horizon
+        (see ``_reuse``; an object's entries once all of them have) if what the cache keeps
+        alive passes :data:`AGE_FLOOR` of the budget, then the least recently used while it
+        passes the budget; add none (and evict nothing) if they alone would not fit."""
         budget = self.max_bytes
         objects = dict(kept for _, entry in new for kept in entry.keeps)
         if sum(objects.values()) > budget:
@@ -200,11 +205,15 @@ class RefCache:
             self._entries[key] = entry
             self._keep(entry)
         self._reuse.stored((key for key, _ in new), self._nbytes - before)
+        aged = self._reuse.expired() if self._nbytes > budget * AGE_FLOOR else ()
+        for key in aged:
+            found = self._entries.get(key)
+            mates = self._groups.get(found.group, ()) if found is not None else ()
+            if found is not None and not any(map(self._reuse.within, mates)):
+                self._evict(key, found)
         first = new[0][0]
-        while (oldest := next(iter(self._entries))) != first:  # the new entries came last
-            if self._nbytes <= budget and not self._reuse.stale(oldest):
-                break
-            self.popitem()
+        while self._nbytes > budget and next(iter(self._entries)) != first:
+            self.popitem()  # the new entries came last
         return True
 
     def _keep(self, entry: CacheEntry) -> None:
@@ -237,13 +246,18 @@ class RefCache:
         """Evict the least recently used entry, and the others of its group; return the
         first's ``(key, ref)``."""
         with self._lock:
-            key, entry = self._entries.popitem(last=False)
-            self._evicted(key, entry)
-            for other in self._groups.pop(entry.group, ()):  # no group: none
-                evicted = self._entries.pop(other, None)
-                if evicted is not None:
-                    self._evicted(other, evicted)
+            key, entry = next(iter(self._entries.items()))
+            self._evict(key, entry)
         return key, entry.holder
+
+    def _evict(self, key: Hashable, entry: CacheEntry) -> None:
+        """Evict ``key``'s ``entry``, and the others of its group."""
+        del self._entries[key]
+        self._evicted(key, entry)
+        for other in self._groups.pop(entry.group, ()):  # no group: none
+            evicted = self._entries.pop(other, None)
+            if evicted is not None:
+                self._evicted(other, evicted)
 
     def _evicted(self, key: Hashable, entry: CacheEntry) -> None:
         """Counted in the report of the call site whose put made room (an audit's: would

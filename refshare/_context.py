@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any, Protocol
 
 
+class Timing(Protocol):
+    """An audit's clock around one of Ray's calls that send."""
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, Ray's own call, timed."""
+
+
 class SubmitScope(Protocol):
     """What Ray's patched submit path asks of the current scope."""
+
+    def timing(self) -> Timing | None:
+        """A clock for the call about to be sent, started now (auditing), or ``None``."""
 
     def rewrite(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """The task's ``args`` and ``kwargs``, large values replaced by refs."""

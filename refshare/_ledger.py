@@ -9,10 +9,11 @@ reads the tallies as they are, and ``stats()`` sums those of sharing (not of aud
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ._context import current_scope
 
@@ -36,10 +37,14 @@ FIELDS = (
     "unverified",  #: arguments verify mode could not check, sent by value (``reasons``)
     "mismatches",  #: arguments verify mode found would differ, sent by value
     "evictions",  #: cache entries this site's puts made room for
+    "would_save_ms",  #: an audit's: the time sharing would save (see :class:`Timing`)
+    "sending_ms",  #: an audit's: the time Ray spent sending calls with large arguments
 )
 (CALLS, SUBMISSIONS, ARGUMENTS, BYTES_SENT, BYTES_REPEATED, BYTES_IN_CALL, BYTES_MEMBERS,
  BYTES_DISTINCT, BYTES_STORED, PUTS, HITS, UNKEYED, PUT_CALLS, BY_VALUE, VERIFIED, UNVERIFIED,
- MISMATCHES, EVICTIONS) = range(len(FIELDS))  # fmt: skip
+ MISMATCHES, EVICTIONS, WOULD_SAVE_MS, SENDING_MS) = range(len(FIELDS))  # fmt: skip
+#: The fields counted in milliseconds, as floats; the others count whole events and bytes.
+TIMES = (WOULD_SAVE_MS, SENDING_MS)
 
 
 @dataclass
@@ -79,11 +84,11 @@ class Tally:
         self.site = site
         self.audit = audit
         self._lock = threading.Lock()
-        self._counts = [0] * len(FIELDS)
+        self._counts: list[float] = [0] * len(FIELDS)
         #: (field, reason) -> how many: why values went by value, or were not verified
         self._reasons: Counter[tuple[int, str]] = Counter()
 
-    def add(self, *pairs: tuple[int, int]) -> None:
+    def add(self, *pairs: tuple[int, float]) -> None:
         """Add each ``(field, amount)``."""
         with self._lock:
             counts = self._counts
@@ -108,7 +113,7 @@ class Tally:
         elif outcome in _VERDICTS:
             self.add((_VERDICTS[outcome], 1))
 
-    def counts(self) -> list[int]:
+    def counts(self) -> list[float]:
         with self._lock:
             return list(self._counts)
 
@@ -117,6 +122,51 @@ class Tally:
         with self._lock:
             found = Counter({why: n for (f, why), n in self._reasons.items() if f == field})
         return tuple(found.most_common())
+
+
+class _Sending(threading.local):
+    """What the call Ray is about to send on this thread carries, for :class:`Timing`: the
+    bytes of its large arguments and of those repeated, and the seconds refshare spent
+    meanwhile on what sharing would spend them on too (an audit weighing what it would put)."""
+
+    sent = 0
+    repeated = 0
+    not_keying = 0.0
+
+
+_sending = _Sending()
+
+
+def not_keying(seconds: float) -> None:
+    """Count ``seconds`` an audit spent on this thread on what is not sharing's keying."""
+    _sending.not_keying += seconds
+
+
+R = TypeVar("R")
+
+
+class Timing:
+    """An audit's clock around one of Ray's calls that send (``.remote()``, ``ray.put``):
+    from its start, what refshare spent keying the call's arguments; then Ray's own call,
+    serializing and storing them by value. Of Ray's time, the share of the repeated bytes
+    among the large arguments' is what sharing would not spend; less the keying, which it
+    would spend, it is what it would save (see :meth:`Ledger.sent`)."""
+
+    __slots__ = ("ledger", "start")
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        _sending.sent = _sending.repeated = 0
+        _sending.not_keying = 0.0
+        self.start = time.perf_counter()
+
+    def call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        """``fn(*args, **kwargs)``, Ray's own call, timed."""
+        keyed = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.ledger.sent(keyed - self.start, time.perf_counter() - keyed)
 
 
 class Ledger:
@@ -152,6 +202,25 @@ class Ledger:
             (UNKEYED, tab.unkeyed),
             (PUT_CALLS, int(tab.put_call)),
         )
+        if self.tally.audit:
+            _sending.sent += sent
+            _sending.repeated += repeated
+
+    def timing(self) -> Timing | None:
+        """A clock for the call about to be sent (auditing only: see :class:`Timing`)."""
+        return Timing(self) if self.tally.audit else None
+
+    def sent(self, keying: float, sending: float) -> None:
+        """Count a call Ray sent in ``sending`` seconds, after ``keying`` seconds of the
+        audit's: Ray's time shared among the large arguments by their bytes, the repeated
+        ones' share saved, the keying spent. A call without large arguments is left out."""
+        found = _sending
+        if found.sent:
+            keying -= found.not_keying
+            saved = sending * found.repeated / found.sent - keying
+            self.tally.add((WOULD_SAVE_MS, saved * 1e3), (SENDING_MS, sending * 1e3))
+        found.sent = found.repeated = 0
+        found.not_keying = 0.0
 
     def by_value(self, reason: str) -> None:
         self.tally.note(BY_VALUE, reason)
@@ -166,9 +235,9 @@ _VERDICTS = {"verified": VERIFIED, "mismatch": MISMATCHES}
 _tallies: dict[tuple[str, bool], Tally] = {}
 _tallies_lock = threading.Lock()
 #: Counts of tallies forgotten by ``reset()``, so that sums read over the tallies go on.
-_retired = [0] * len(FIELDS)
+_retired: list[float] = [0] * len(FIELDS)
 #: Called with each batch of ``(field, amount)`` counted while sharing (see ``_stats``).
-_metrics: Callable[[tuple[tuple[int, int], ...]], None] | None = None
+_metrics: Callable[[tuple[tuple[int, float], ...]], None] | None = None
 #: Called when the first tally is made (see ``_report``: the report written at exit).
 on_first_tally: list[Callable[[], None]] = []
 #: Called before the tallies are read, to count what is on its way (the verdicts of
@@ -201,7 +270,7 @@ def tallies() -> list[Tally]:
         return list(_tallies.values())
 
 
-def sharing_totals() -> list[int]:
+def sharing_totals() -> list[float]:
     """Every field summed over the tallies of sharing (audits left out), those forgotten
     by :func:`reset` included: what ``stats()`` reads."""
     totals = list(_retired)
@@ -228,7 +297,7 @@ def count_eviction() -> None:
     found.add((EVICTIONS, 1))
 
 
-def set_metrics(export: Callable[[tuple[tuple[int, int], ...]], None] | None) -> None:
+def set_metrics(export: Callable[[tuple[tuple[int, float], ...]], None] | None) -> None:
     """Also hand what sharing counts to ``export`` (Ray metrics), or stop (``None``)."""
     global _metrics
     _metrics = export

@@ -41,6 +41,11 @@ class Row(NamedTuple):
     unverified: int  #: verify mode's: could not be checked, sent by value
     mismatches: int  #: verify mode's: would differ from by value, sent by value
     evictions: int  #: cache entries its puts made room for (auditing: would have)
+    #: Auditing, the milliseconds sharing would save: what Ray spent sending the repeated
+    #: bytes by value, less what keying them took (``None`` while sharing).
+    would_save_ms: float | None
+    #: Auditing, the milliseconds Ray spent in the calls that sent large arguments.
+    sending_ms: float | None
     reasons: tuple[tuple[str, int], ...]  #: why values went by value, most frequent first
     unverified_reasons: tuple[tuple[str, int], ...]  #: why verify could not check
 
@@ -53,7 +58,10 @@ class Row(NamedTuple):
 def _row(tally: _ledger.Tally) -> Row:
     reasons = tally.reasons(_ledger.BY_VALUE)
     unverified = tally.reasons(_ledger.UNVERIFIED)
-    return Row._make((tally.site, tally.audit, *tally.counts(), reasons, unverified))
+    counts: list[float | None] = list(tally.counts())
+    if not tally.audit:  # timed only by an audit
+        counts[_ledger.WOULD_SAVE_MS] = counts[_ledger.SENDING_MS] = None
+    return Row._make((tally.site, tally.audit, *counts, reasons, unverified))
 
 
 class Report(NamedTuple):
@@ -78,10 +86,13 @@ class Report(NamedTuple):
         if not self.rows:
             return "refshare: no call site shared or audited anything"
         verify = any(r.verified or r.unverified or r.mismatches for r in self.rows)
+        audit = any(r.audit for r in self.rows)
         head = ["call site", "mode", "calls", "sent", "repeated", "saved", "distinct",
                 "by value", "evicted"]  # fmt: skip
         if verify:
             head += ["verified", "unverified", "mismatches"]
+        if audit:
+            head += ["would save"]
         lines = []
         for r in self.rows:
             line = [r.site, "audit" if r.audit else "sharing", str(r.calls), _mib(r.bytes_sent),
@@ -89,6 +100,8 @@ class Report(NamedTuple):
                     str(r.by_value), str(r.evictions)]  # fmt: skip
             if verify:
                 line += [str(r.verified), str(r.unverified), str(r.mismatches)]
+            if audit:
+                line += [_time(r.would_save_ms, r.sending_ms)]
             lines.append(line)
         out = [format_table(head, lines)]
         notes = [
@@ -97,8 +110,9 @@ class Report(NamedTuple):
             for what, reasons in (("by value", r.reasons), ("unverified", r.unverified_reasons))
             for reason, count in reasons
         ]
-        audit = any(r.audit for r in self.rows)
-        tail = ["(audit: what sharing would save; nothing was changed)"] if audit else []
+        tail = [f"  {r.site}: {_in_time(r)}" for r in self.rows if r.audit and r.sending_ms]
+        if audit:
+            tail.append("(audit: what sharing would save; nothing was changed)")
         return "\n".join(out + notes + tail)
 
 
@@ -122,6 +136,26 @@ def format_table(
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _time(would: float | None, sending: float | None) -> str:
+    """``~N ms (M%)``: the time an audit says sharing would save, and its share of the time
+    spent sending arguments (``-`` where it was not timed)."""
+    if would is None or not sending:
+        return "-"
+    return f"~{would:.0f} ms ({would / sending:.0%})"
+
+
+def _in_time(row: Row) -> str:
+    """An audited site's time estimate, in words, per call and in all."""
+    would, sending = row.would_save_ms or 0.0, row.sending_ms or 0.0
+    each = would / max(row.calls, 1)
+    verb = "would save" if would >= 0 else "would cost"
+    return (
+        f"sharing {verb} about {abs(each):.1f} ms a call ({abs(would) / sending:.0%} of the "
+        f"{sending / max(row.calls, 1):.1f} ms Ray spent sending its arguments by value; "
+        f"{abs(would):.0f} ms in all)"
+    )
 
 
 def report() -> Report:

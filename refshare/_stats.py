@@ -53,14 +53,14 @@ _SOURCES = (
 )
 _lock = threading.Lock()
 #: What the ledger's sums were at the last :func:`reset_stats`.
-_baseline = [0] * len(_ledger.FIELDS)
+_baseline: list[float] = [0] * len(_ledger.FIELDS)
 
 
 def stats() -> Stats:
     """Return a snapshot of refshare's counts for this process."""
     totals = _ledger.sharing_totals()
     with _lock:
-        return Stats(*(totals[i] - _baseline[i] for i in _SOURCES))
+        return Stats(*(int(totals[i] - _baseline[i]) for i in _SOURCES))
 
 
 def reset_stats() -> None:
@@ -104,7 +104,7 @@ def enable_metrics(enabled: bool = True) -> None:
         for field, source in zip(Stats._fields, _SOURCES, strict=True)
     }
 
-    def export(pairs: tuple[tuple[int, int], ...]) -> None:
+    def export(pairs: tuple[tuple[int, float], ...]) -> None:
         for field, amount in pairs:
             counter = counters.get(field)
             if counter is not None and amount > 0:

@@ -113,6 +113,12 @@ def test_bad_budget_is_a_value_error(bad: object) -> None:
 MiB = 1 << 20
 
 
+@pytest.fixture
+def horizon_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reuse horizon without the floor below which a cache keeps what it holds."""
+    monkeypatch.setattr(refshare._cache, "AGE_FLOOR", 0.0)
+
+
 def _loop_step(cache: RefCache, step: int, reused: dict[str, int]) -> None:
     """One step of a training loop: the weights sent again, then new rollout chunks."""
     if cache.get("weights") is None:
@@ -123,7 +129,7 @@ def _loop_step(cache: RefCache, step: int, reused: dict[str, int]) -> None:
         assert cache.get(f"rollout-{step}-{i}") is not None  # sent on within the step
 
 
-def test_what_it_keeps_follows_how_far_apart_its_hits_come() -> None:
+def test_what_it_keeps_follows_how_far_apart_its_hits_come(horizon_alone: None) -> None:
     """New rollouts every step, the same weights every step: the cache keeps the weights and
     about a step's worth of the rest (the longest reuse distance it saw, with a margin),
     not its whole budget of chunks that are never sent again."""
@@ -136,7 +142,49 @@ def test_what_it_keeps_follows_how_far_apart_its_hits_come() -> None:
     assert "rollout-0-0" not in cache and "rollout-59-2" in cache
 
 
-def test_a_reuse_farther_apart_than_the_horizon_is_learned_from_its_miss() -> None:
+def test_a_chunk_sent_again_within_its_step_only_goes_with_the_step(horizon_alone: None) -> None:
+    """As verl's PPO step sends them: the weights once a step; four new 9 MiB chunks, each
+    sent again by the step's last call and never after; now and then a value of a kind sent
+    once. Each entry is kept as long as its own reuses were apart, so the cache holds the
+    weights, the step's chunks and at most one of the step before (the chunk sent again
+    farthest from its store), not every chunk of the last step and a half, which a horizon
+    common to all entries (the weights') kept."""
+    cache = RefCache(max_bytes=10_000 * MiB)
+    misses = 0
+    held = []
+    for step in range(40):
+        if cache.get("weights") is None:
+            misses += 1
+            cache.setdefault("weights", "w", 32 * MiB)
+        if step % 5 == 0:
+            cache.setdefault(f"once-{step}", f"o{step}", 7 * MiB)  # never sent again
+        chunks = [f"chunk-{step}-{i}" for i in range(4)]
+        for chunk in chunks:
+            cache.setdefault(chunk, chunk, 9 * MiB)
+        for chunk in chunks:  # the last call sends the batch again
+            assert cache.get(chunk) is not None
+        held.append(cache.nbytes)
+    assert misses == 1
+    assert max(held[10:]) <= (32 + 4 * 9 + 9 + 7) * MiB, [h // MiB for h in held]
+    assert "once-30" not in cache and f"chunk-{step - 1}-3" not in cache
+
+
+def test_entries_stored_in_one_object_go_when_none_is_sent_again(horizon_alone: None) -> None:
+    """A bundle's entries are kept while one of them is still within its horizon, and go
+    together once none is."""
+    cache = RefCache(max_bytes=10_000 * MiB)
+    cache.setdefault_group("bundle", [("a", "ra"), ("b", "rb")], 8 * MiB)
+    for step in range(30):
+        cache.setdefault(f"new-{step}", f"n{step}", MiB)
+        if step < 20:
+            assert cache.get("a") is not None  # "a" is sent again every step, "b" never
+        assert ("a" in cache and "b" in cache) or step >= 20  # "b" stays, in a's object
+    assert "a" not in cache and "b" not in cache  # "a" stopped: both went
+
+
+def test_a_reuse_farther_apart_than_the_horizon_is_learned_from_its_miss(
+    horizon_alone: None,
+) -> None:
     """An entry evicted for its age and sent again is remembered: its miss teaches the
     cache how far apart it comes, and from then on it is kept."""
     cache = RefCache(max_bytes=10_000 * MiB)
@@ -149,6 +197,31 @@ def test_a_reuse_farther_apart_than_the_horizon_is_learned_from_its_miss() -> No
             cache.setdefault("rare", "x", MiB)
     assert rare == 2  # its first send, and once evicted before its reuse was seen
     assert misses == {"weights": 1}
+
+
+def _first_steps(cache: RefCache) -> int:
+    """A step sent twice, as NeMo-RL's example sends it: the first call sends the batch, a
+    mask and the batch again (a short first reuse), the second sends new log-probs, the
+    third the batch and a loss. Return how many puts the second step made."""
+    sizes = {"batch": 4 * MiB, "mask": 2 * MiB, "logprobs": 5 * MiB, "loss": MiB}
+    puts = 0
+    for step in range(2):
+        for key in ["batch", "mask", "batch", "logprobs", "batch", "loss"]:
+            if cache.get(key) is None:
+                puts += step
+                cache.setdefault(key, key, sizes[key])
+    return puts
+
+
+def test_below_its_floor_a_loop_comes_round_before_anything_goes_for_its_age(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The horizon learned from the first step (the batch sent again at once) is shorter
+    than the step: without the floor, the batch goes before the step's last call, and the
+    second step puts it again; with it, a cache far from full keeps it."""
+    assert _first_steps(RefCache(max_bytes=1_000 * MiB)) == 0
+    monkeypatch.setattr(refshare._cache, "AGE_FLOOR", 0.0)
+    assert _first_steps(RefCache(max_bytes=1_000 * MiB)) > 0
 
 
 def test_without_reuse_the_budget_alone_bounds_it() -> None:

@@ -27,18 +27,27 @@ TIMES_HEADER = ["members", "case", *STRATEGIES, "xxh3 pass", "target", "result"]
 #: What ``members.py --smoke`` measures: (N, member label), each first and repeat.
 SMOKE_CASES = [("10", "1 KiB"), ("100", "1 KiB"), ("10", "128 KiB")]
 PRESSURE_HEADER = [
+    "case",
     "strategy",
     "steps",
     "spilled MiB",
     "errors",
     "total s",
     "step ms (median)",
+    "reading ms",
     "refshare puts / hits / evictions",
     "same as by value",
 ]
+PRESSURE_CASES = [
+    f"{case}, {variant}"
+    for case in ("one block", "two scopes", "2,500 refs", "5,000 refs")  # --smoke's
+    for variant in ("with grpcio", "without grpcio")
+]
 
 
-def run(script: str, mode: str, out: Path) -> subprocess.CompletedProcess[str]:
+def run(
+    script: str, mode: str, out: Path, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     """Run ``benchmarks/script mode --out out`` in a subprocess of its own Ray."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -46,7 +55,7 @@ def run(script: str, mode: str, out: Path) -> subprocess.CompletedProcess[str]:
         [sys.executable, str(BENCHMARKS / script), mode, "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
         env=env,
         check=False,
     )
@@ -65,7 +74,8 @@ def members_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def pressure_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("pressure")
-    return out, run("pressure.py", "--quick", out).stdout
+    # Eight child processes connect to its Ray, each starting two actors: minutes when busy.
+    return out, run("pressure.py", "--smoke", out, timeout=600).stdout
 
 
 def test_members_writes_its_files(members_run: Path) -> None:
@@ -106,13 +116,19 @@ def test_pressure_table(pressure_run: tuple[Path, str]) -> None:
     out, stdout = pressure_run
     markdown = (out / "pressure.md").read_text()
     assert stdout.strip().endswith(markdown.strip().splitlines()[-1])
-    rows = table_after(markdown, "## Per strategy")
+    rows = table_after(markdown, "## Per case")
     assert rows[0] == PRESSURE_HEADER
-    assert [row[0] for row in rows[1:]] == ["by value", "refshare (default options)"]
+    strategies = ["by value", "refshare (default options)"]
+    assert [row[:2] for row in rows[1:]] == [[c, s] for c in PRESSURE_CASES for s in strategies]
     for row in rows[1:]:
-        assert row[1] == "10" and int(row[2]) >= 0 and float(row[4]) > 0
+        assert row[2] == "3" and int(row[3]) >= 0 and float(row[5]) > 0
+        assert float(row[7]) > 0  # refshare reads the store, with grpcio or without
         assert row[-1] == "yes"
     results: dict[str, Any] = json.loads((out / "pressure.json").read_text())
-    assert set(results["loops"]) == {"by_value", "refshare"}
-    assert all(results["same_as_by_value"].values())
-    assert results["loops"]["refshare"]["refshare_counts"]["puts"] > 0
+    assert list(results["runs"]) == PRESSURE_CASES
+    for case, loops in results["runs"].items():
+        assert set(loops) == {"by_value", "refshare"}
+        assert all(r["same_as_by_value"] for r in loops.values())
+        assert loops["refshare"]["refshare_counts"]["puts"] > 0
+        # Without grpcio, the child never imported it (refshare did not need it either).
+        assert not any(r["grpc_imported"] for r in loops.values()) or "with grpc" in case

@@ -205,6 +205,38 @@ def test_share_in_an_audit_is_rays_own_put(
         assert row.audit and (row.puts, row.hits) == (1, 1)
 
 
+def test_an_audit_times_what_ray_spends_sending_and_what_would_repeat(
+    readers: list[Any],
+) -> None:
+    """An audit times Ray's own calls that carry large arguments (``.remote()`` and
+    ``ray.put``), and of that time counts the repeated bytes' share, less its keying, as
+    what sharing would save: never more than that share. A call without large arguments is
+    not counted; sharing's rows carry no estimate."""
+    batch = np.ones(1 << 20)  # 8 MiB, to every worker: all but the first send repeat
+
+    @refshare.shared_args(audit=True, cache=refshare.RefCache())
+    def audited() -> list[Any]:
+        ray.get([r.read.remote() for r in readers])  # nothing large: not timed
+        return ray.get([r.read.remote(batch) for r in readers] + [ray.put(batch)])
+
+    @refshare.shared_args(cache=refshare.RefCache())
+    def shared() -> list[Any]:
+        return ray.get([r.read.remote(batch) for r in readers])
+
+    audited()
+    shared()
+    audit, sharing = refshare.report().rows
+    assert audit.audit and audit.sending_ms is not None and audit.would_save_ms is not None
+    assert audit.sending_ms > 0
+    share = audit.bytes_repeated / audit.bytes_sent  # WORKERS of the WORKERS + 1 sends
+    assert audit.bytes_repeated == WORKERS * batch.nbytes and share == WORKERS / (WORKERS + 1)
+    assert audit.would_save_ms <= share * audit.sending_ms
+    assert sharing.would_save_ms is None and sharing.sending_ms is None
+    text = str(refshare.report())
+    assert "would save" in text and "ms a call" in text and "Ray spent sending" in text
+    assert refshare.report().to_dict()[f"{audit.site} (audit)"]["sending_ms"] == audit.sending_ms
+
+
 def test_bad_audit_option_fails_at_decoration() -> None:
     with pytest.raises(TypeError, match="audit='yes'"):
         refshare.shared_args(audit="yes")  # type: ignore[arg-type]

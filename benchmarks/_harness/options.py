@@ -57,10 +57,23 @@ def step_parser(doc: str) -> argparse.ArgumentParser:
     """The options every step replay takes: its mode, how many steps, where to write."""
     found = parser(doc, {"quick": "9 timed steps", "smoke": "tiny batch, 2 timed steps"})
     found.add_argument("--steps", type=int, help="timed steps (default: by mode)")
+    found.add_argument(
+        "--budget", choices=BUDGETS, default="default",
+        help="each strategy's cache: a share of the default budget, or a quarter of the bytes "
+        "a step sends (its distinct bytes), which makes the caches evict within a step",
+    )  # fmt: skip
     return found
 
 
+#: The cache budgets of a step replay (see :func:`step_parser`).
+BUDGETS = ("default", "quarter")
+
+
 def step_config(args: argparse.Namespace, modes: dict[str, T]) -> T:
-    """A step replay's configuration: its mode's, with ``--steps`` if given."""
+    """A step replay's configuration: its mode's, with ``--steps`` and ``--budget`` if given."""
     config = modes[mode(args)]
-    return dataclasses.replace(config, steps=args.steps) if args.steps else config  # type: ignore[type-var]
+    if args.steps:
+        config = dataclasses.replace(config, steps=args.steps)  # type: ignore[type-var]
+    if getattr(args, "budget", "default") != "default":
+        config = dataclasses.replace(config, budget=args.budget)  # type: ignore[type-var]
+    return config

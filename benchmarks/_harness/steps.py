@@ -62,8 +62,9 @@ BY_VALUE = (*UNTOUCHED, AUDIT)
 #: How tables name the strategies.
 LABELS = {"plain": "plain", "refshare": "top-level", "deep": "deep", AUTO: "default",
           AUDIT: "audit", IDEAL: "ideal", "control": "plain again"}  # fmt: skip
-#: The report's counts a turn keeps, summed over its call sites.
-REPORTED = ("bytes_sent", "bytes_repeated", "bytes_distinct", "puts", "hits", "by_value")
+#: The report's counts a turn keeps, summed over its call sites (the times: an audit's).
+REPORTED = ("bytes_sent", "bytes_repeated", "bytes_distinct", "puts", "hits", "by_value",
+            "would_save_ms", "sending_ms")  # fmt: skip
 
 
 class Sharing:
@@ -98,6 +99,8 @@ class Sharing:
             else f"refshare.patch_methods(..., deep=...) on {where}, then unpatch_methods"
         )
         self.caches: dict[str, Any] = {}
+        #: Each cache's budget; ``None``: the strategies that share split the default's.
+        self.budget: int | None = None
         self.record: ideal.Record | None = None  # the ideal's next turn swaps in its refs
 
     def _wrapped(self) -> list[str]:
@@ -149,7 +152,7 @@ class Sharing:
         cache = self.caches.get(strategy)
         if cache is None:
             sharing = [s for s in OPTIONS if not OPTIONS[s].get("audit")]
-            budget = self.refshare.RefCache().max_bytes // len(sharing)
+            budget = self.budget or self.refshare.RefCache().max_bytes // len(sharing)
             cache = self.caches[strategy] = self.refshare.RefCache(max_bytes=budget)
         options = {"cache": cache, **OPTIONS[strategy]}
         if self.framework:
@@ -171,7 +174,7 @@ class Sharing:
 
 def _totals(found: Any) -> dict[str, int]:
     """A ``refshare.report()``'s :data:`REPORTED` counts, summed over its call sites."""
-    return {field: sum(getattr(row, field) for row in found.rows) for field in REPORTED}
+    return {field: sum(getattr(row, field) or 0 for row in found.rows) for field in REPORTED}
 
 
 def _name(owner: Any) -> str:
@@ -309,13 +312,15 @@ def interleave(
     steps: int,
     turn: Callable[[str, int], Turn],
     strategies: Sequence[str] = STRATEGIES,
+    first: int = 0,
 ) -> list[dict[str, Any]]:
-    """Run ``steps`` steps, every strategy once per step (each leads in turn, in the order
-    of :data:`RUN_ORDER`; the ideal's record right before it), with the 1-min load average
-    sampled after each step; checks that every worker received the same."""
+    """Run ``steps`` steps from step ``first`` on, every strategy once per step (each leads
+    in turn, in the order of :data:`RUN_ORDER`; the ideal's record right before it), with
+    the 1-min load average sampled after each step; checks that every worker received the
+    same."""
     out = []
     order = sorted(strategies, key=lambda s: RUN_ORDER.index(s) if s in RUN_ORDER else -1)
-    for step in range(steps):
+    for step in range(first, first + steps):
         turns = {}
         for strategy in rotated(order, step):
             for each in (RECORD, strategy) if strategy == IDEAL else (strategy,):
@@ -415,7 +420,15 @@ def audited(steps: list[dict[str, Any]]) -> dict[str, Any]:
     would = [t["turns"][AUDIT]["reported"]["bytes_repeated"] for t in steps]
     saved = [t["turns"][AUTO]["reported"]["bytes_repeated"] for t in steps]
     each = [_ratio(w, s) for w, s in zip(would, saved, strict=True)]
+    audit = [t["turns"][AUDIT]["reported"] for t in steps]
+    would_ms = median([a.get("would_save_ms", 0.0) for a in audit])
+    saved_ms = -over_plain(AUTO, wall) * 1e3  # what the default saved, in the same steps
     return {
+        "would_save_ms": would_ms,
+        "sending_ms": median([a.get("sending_ms", 0.0) for a in audit]),
+        "default_saved_ms": saved_ms,
+        "control_saved_ms": -over_plain("control", wall) * 1e3,
+        "would_to_saved_ms": _ratio(would_ms, saved_ms),
         "audit_over_plain_ms": over_plain(AUDIT, wall) * 1e3,
         "control_over_plain_ms": over_plain("control", wall) * 1e3,
         "audit_cpu_over_plain_ms": over_plain(AUDIT, cpu) * 1e3,
@@ -443,16 +456,27 @@ def replay(
     turn: Callable[[str, int], Turn],
     calls: Sequence[str],
     strategies: Sequence[str] = STRATEGIES,
+    sharing: Sharing | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Warm the store, then ``config.warmup`` untimed and ``config.steps`` timed steps of
-    every strategy, interleaved: the timed steps, and what a report keeps of them."""
+    every strategy, interleaved: the timed steps, and what a report keeps of them. With
+    ``config.budget == "quarter"``, each of ``sharing``'s caches holds a quarter of the
+    bytes the last untimed step sent (its distinct bytes), made anew for the timed steps."""
     log(f"{label}: warming the store")
     warm_seconds = session.warm_store(workers, config.store_bytes)
-    every = interleave(label, config.warmup + config.steps, turn, strategies)
+    every = interleave(label, config.warmup, turn, strategies)
+    budget = None
+    if getattr(config, "budget", "default") == "quarter":
+        if sharing is None or not every:
+            raise ValueError("--budget quarter: the replay needs its Sharing and a warmup step")
+        budget = sharing.budget = every[-1]["turns"]["plain"]["distinct"] // 4
+        sharing.caches.clear()
+        log(f"{label}: each cache's budget now {budget / MiB:.1f} MiB")
+    every += interleave(label, config.steps, turn, strategies, first=config.warmup)
     timed = every[config.warmup :]
     return timed, {
         "warm_store_seconds": round(warm_seconds, 1),
-        "summary": summarize(timed, calls, strategies),
+        "summary": {**summarize(timed, calls, strategies), "cache_budget": budget},
         "checksums_same_every_step": [t["same"] for t in every],
     }
 

@@ -78,12 +78,15 @@ def _make_submit(owner: type) -> Wrapper:
         if scope is None or not _installed:
             return wrapped(*args, **kwargs)
         skip = 1 if instance is None and args and isinstance(args[0], owner) else 0
+        timing = scope.timing()  # an audit's: its keying, then Ray sending by value
         try:
             shared_args, shared_kwargs = _rewrite_call(scope, args, kwargs, skip)
         except Exception:  # never break a call that works by value
             logger.debug("submitting by value after an internal error", exc_info=True)
             return wrapped(*args, **kwargs)
         if shared_args is args and shared_kwargs is kwargs:
+            if timing is not None:
+                return timing.call(wrapped, *args, **kwargs)
             return wrapped(*args, **kwargs)
         try:
             return wrapped(*shared_args, **shared_kwargs)
@@ -101,12 +104,15 @@ def _put(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
     scope = current_scope()
     if scope is None or not _installed or len(args) != 1:
         return wrapped(*args, **kwargs)
+    timing = scope.timing()  # an audit's: its keying, then Ray's own put
     try:
         ref = scope.ray_put(args[0], **kwargs)
     except Exception:  # never break a put that works
         logger.debug("putting as Ray would after an internal error", exc_info=True)
         ref = None
-    return wrapped(*args, **kwargs) if ref is None else ref
+    if ref is not None:
+        return ref
+    return wrapped(*args, **kwargs) if timing is None else timing.call(wrapped, *args, **kwargs)
 
 
 def _pool_submit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from typing import Any
 
 from ray import ObjectRef
@@ -23,11 +24,11 @@ from .._keys import Keyed
 from .._keys.pickler import runs_own_pickling
 from .._keys.sizes import SCALARS, estimate_size, measure
 from .._keys.tables import leaf_digests, user_fingerprints
-from .._ledger import Ledger, Tab
+from .._ledger import Ledger, Tab, Timing, not_keying
 from .._options import Options
 from .._ray.session import current_session
 from .._verify import MISMATCH, Mode, verifier, verify_by_env
-from .._wire.serialized import stored_whole
+from .._wire.serialized import Serialized, stored_whole
 from .memo import CallMemo, NotKeyed
 from .store import CallStore
 
@@ -72,6 +73,11 @@ class Scope:
         self.session: tuple[str, str] | None = None
 
     # -- a task's arguments, ray.put and share() ---------------------------------------------
+
+    def timing(self) -> Timing | None:
+        """A clock for the call about to be sent: auditing, what keying its arguments takes
+        and what Ray takes to send them by value (see ``_ledger.Timing``); else ``None``."""
+        return self.ledger.timing()
 
     def rewrite(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Return the task's ``args`` and ``kwargs`` with large values replaced by refs.
@@ -209,11 +215,16 @@ class Scope:
 
     def whole(self, value: Any, tab: Tab, kind: _admission.Kind | None, put: bool) -> Any:
         """``value`` keyed whole: found by content, or put."""
+        start = time.perf_counter()
         keyed = self.memo.key(value, tab.nbytes, put)
         if isinstance(keyed, NotKeyed):
             self.ledger.by_value(f"{type(value).__qualname__}: {keyed.reason}")
             return None
-        return self.stored(keyed, tab, kind)
+        keying, puts = time.perf_counter() - start, tab.puts
+        ref = self.stored(keyed, tab, kind)
+        if self.audit and tab.puts > puts and isinstance(keyed.stored, Serialized):
+            not_keying(keying)  # keyed by its pickle, which sharing would put: by value's work
+        return ref
 
     def stored(self, keyed: Keyed, tab: Tab, kind: _admission.Kind | None = None) -> Any:
         """``keyed`` found by content or put, and counted: in ``tab``, and as a hit or miss

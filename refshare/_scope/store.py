@@ -12,10 +12,12 @@ and weighs what Ray would have stored: it runs without Ray.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from .. import _ledger
 from .._cache import CacheEntry, PutLocks, RefCache
 from .._deep import Bundled, Skeleton, bundled_key
 from .._keys import Key, Keyed
@@ -201,7 +203,12 @@ class CallStore:
         if self.over(nbytes):
             self.make_room(nbytes)
         if self.audit:
-            return Unsent(), _weight(stored, nbytes) if keyed else nbytes
+            if not keyed:
+                return Unsent(), nbytes
+            start = time.perf_counter()
+            weight = _weight(stored, nbytes)  # where sharing would put: not its keying
+            _ledger.not_keying(time.perf_counter() - start)
+            return Unsent(), weight
         put = put_stored(stored, nbytes)
         if put is not None:
             gauge.added(put[1])
