@@ -18,6 +18,7 @@ from ._reuse import Reuse
 #: in a loop's first step, before the loop came round once, is often shorter than the loop.
 AGE_FLOOR = 0.5
 
+
 def _check_max_bytes(max_bytes: object) -> int | None:
     if max_bytes is None:
         return None
@@ -57,9 +58,10 @@ class RefCache:
     What the cache weighs is what the object store holds for the objects its entries keep
     alive, each object counted once however many entries keep it: a bundle's parts, and a
     skeleton with the members it names (recorded when each was stored; a ref itself has no
-    size). Eviction drops nothing but refshare's reference: Ray keeps the arguments of tasks already submitted alive. An entry larger
-    than the whole budget is not cached. Entries stored in one object (a ``group``) are
-    evicted together: none of its bytes is freed while one of them is kept.
+    size). Eviction drops nothing but refshare's reference: Ray keeps the arguments of tasks
+    already submitted alive. An entry larger than the whole budget is not cached. Entries
+    stored in one object (a ``group``) are evicted together: none of its bytes is freed
+    while one of them is kept.
 
     Within its budget, it keeps what is likely to be sent again: once it keeps more than
     :data:`AGE_FLOOR` of its budget, an entry unused for longer than the reuse distances its

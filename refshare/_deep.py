@@ -26,7 +26,7 @@ from ._keys.pickler import runs_own_pickling
 from ._keys.sizes import estimate_size, plain_ndarray
 from ._keys.tables import Key, Keyed, leaf_digests
 from ._ray.pickling import ship_by_value
-from ._rules import instance_hooks, pickles_as
+from ._rules import instance_hooks, pickles_as, registered_serializer
 from ._wire import bootstrap
 from ._wire.serialized import native_split, pickler_classes, ray_handle_types
 
@@ -167,7 +167,12 @@ class _Splitter:
         self.handles: list[Any] = []
         self.tensors = False
         self.seen: dict[int, tuple[object, Any]] = {}
+        #: numpy's array, unless a serializer is registered for it (see :meth:`_registered`)
         self.ndarray = plain_ndarray()
+        if self.ndarray is not None and registered_serializer(self.ndarray):
+            self.ndarray = None
+        #: Per leaf class met in this split: whether a serializer is registered for it.
+        self.registered: dict[type, bool] = {}
         #: Per class met in this split: whether it is plain (:func:`_plain`).
         self.plain: dict[type, bool] = {}
 
@@ -184,7 +189,7 @@ class _Splitter:
         elif cls is bytes:  # the padding between a consolidated storage's leaves, say
             nbytes = len(obj)
         else:
-            if leaf_digests.exact(cls) is None or cls in _INLINE:
+            if leaf_digests.exact(cls) is None or cls in _INLINE or self._registered(cls):
                 return None
             if getattr(getattr(obj, "dtype", None), "hasobject", False):
                 return None
@@ -202,6 +207,15 @@ class _Splitter:
         # there, it is one object with every other place that names it, as by value.
         dtype = obj.dtype if cls is self.ndarray else None
         return self._take(obj, self.members, keyed, dtype=dtype)
+
+    def _registered(self, cls: type) -> bool:
+        """Whether the program registered a serializer for the leaf class ``cls``: what it
+        makes of a value, not the value's bytes, is what a worker receives, so such a value
+        stays inline, pickled as by value (see ``_rules.registered_serializer``)."""
+        found = self.registered.get(cls)
+        if found is None:
+            found = self.registered[cls] = registered_serializer(cls)
+        return found
 
     def reduce(self, obj: Any) -> Any:
         """A reduction of ``obj`` that shows its members, for a type whose pickling hides

@@ -78,6 +78,17 @@ def dispatch_entry(cls: type) -> Any:
     return None
 
 
+def registered_serializer(cls: type) -> bool:
+    """Whether a serializer registered for exactly ``cls`` (``ray.util.register_serializer``,
+    ``copyreg``) makes what a worker receives of an array or a tensor, which a digest of its
+    bytes cannot see: such a value is keyed by its pickle and stored as it. Ray's zero-copy
+    tensor reducer is not one here: refshare's tensor form runs its deserializer
+    (``_wire.tensors``)."""
+    entry = dispatch_entry(cls)
+    return entry is not None and getattr(entry, "__module__", None) != _RAY_ZERO_COPY
+
+
+_RAY_ZERO_COPY = "ray._private.tensor_serialization_utils"
 _UNSET = object()
 
 

@@ -212,11 +212,12 @@ def test_a_grown_batch_stores_only_its_new_members(readers: list[Any]) -> None:
 
 
 @pytest.mark.verify_off  # counts serializations, which verify adds to
-def test_each_member_is_serialized_once_and_a_grown_batch_only_its_new_one(
+def test_a_registered_serializer_runs_once_a_call_for_each_tensor(
     readers: list[Any],
 ) -> None:
     """Counted with a serializer registered with Ray for tensors, which refshare then
-    leaves Ray to call: once per distinct member, whatever the number of workers."""
+    leaves Ray to call: what it sends keys each tensor (the bytes cannot tell it), so a call
+    serializes each of its tensors once, whatever the number of workers."""
     torch = pytest.importorskip("torch")
     serialized: list[tuple[int, ...]] = []
 
@@ -233,7 +234,7 @@ def test_each_member_is_serialized_once_and_a_grown_batch_only_its_new_one(
         serialized.clear()
         grown = dict(batch, old_log_probs=torch.full((128, 1024), 3.0))
         deep_fan_out(readers, grown)
-        assert serialized == [(128, 1024)]
+        assert serialized == [(256, 512), (512, 256), (128, 1024)]
     finally:
         ray.util.deregister_serializer(torch.Tensor)
 

@@ -1,7 +1,8 @@
 """Ray's zero-copy tensor serializer (``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1``, which
 OpenRLHF's launcher turns on) hands each task a writable view of its own object. refshare
 shares one object between tasks, so it stores tensors as their bytes: a worker writing to
-what it received changes nothing another worker receives, as by value."""
+what it received changes nothing another worker receives, as by value; and what it receives
+is what by value gives it."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_a_write_by_one_worker_reaches_no_other() -> None:
         [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    zero_copy, by_value, within_one_call, across_calls, driver = json.loads(
+    zero_copy, by_value, within_one_call, across_calls, driver, differences = json.loads(
         done.stdout.strip().splitlines()[-1]
     )
     n = float(1 << 18)
@@ -34,3 +35,7 @@ def test_a_write_by_one_worker_reaches_no_other() -> None:
     assert within_one_call == by_value
     assert across_calls == by_value
     assert driver == n  # and the driver's tensor is untouched
+    # Each tensor arrives as that serializer's deserializer makes it by value (contiguous,
+    # without requires_grad, on numpy's memory, version 0), on memory of its own.
+    assert len(differences) == 7
+    assert {name: d for name, d in differences.items() if d is not None} == {}

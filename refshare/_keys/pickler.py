@@ -25,6 +25,7 @@ from .._rules import (
     package_of,
     pickling_epoch,
     reducer_package,
+    registered_serializer,
 )
 from .._wire import serialized
 from .._wire.arrays import memory_order
@@ -169,6 +170,12 @@ class _FingerprintPickler(pickle.Pickler):
         if isinstance(obj, self.handles):
             raise serialized.HoldsRayHandles(cls.__qualname__)
         leaf = leaf_digests.exact(cls)
+        if leaf is not None and registered_serializer(cls):
+            # A serializer the program registered for the class sends what it makes of the
+            # value, not the bytes a digest reads.
+            if self.strict:
+                raise NeedsSerializing(f"{cls.__qualname__} with a serializer registered")
+            return NotImplemented
         if leaf is not None:
             digest = leaf(obj, self.digests, self.reuse)
             if digest is not None:
@@ -246,7 +253,9 @@ def fingerprint_pass(obj: object, memo: Memo, reuse: bool, strict: bool) -> tupl
     only a real serialization can key (see :func:`identify`)."""
     cls = type(obj)
     leaf = leaf_digests.exact(cls)
-    if leaf is not None and not (leaf is tensor_digest and tensor_state(obj)):
+    if leaf is not None and registered_serializer(cls):
+        pass  # a serializer registered for arrays or tensors: the pass asks it below
+    elif leaf is not None and not (leaf is tensor_digest and tensor_state(obj)):
         digest = leaf(obj, memo, reuse)
         if digest is not None:
             return digest, False

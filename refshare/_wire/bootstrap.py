@@ -21,6 +21,16 @@ def rebuild_tensor(rebuild: Any, pieces: list[Any], dtype: Any, *args: Any) -> A
     return rebuild(rebuild_storage(pieces, dtype), *args)
 
 
+def from_zero_copy(storage: Any, deserialize: Any, *args: Any) -> Any:
+    """A tensor as Ray's zero-copy deserializer (``deserialize``) makes it by value, from
+    ``torch.from_numpy`` of its elements' bytes, here those of ``storage``: memory of the
+    worker's own, where by value it views its own object's."""
+    import torch
+
+    data = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    return deserialize(data, *args)
+
+
 def rebuild_storage(pieces: list[Any], dtype: Any) -> Any:
     """A storage as ``torch.load`` makes the one it unpickles: ``UntypedStorage(nbytes)``,
     marked ``_torch_load_uninitialized``, its bytes read in (here copied from ``pieces``), and

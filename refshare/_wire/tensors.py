@@ -12,8 +12,11 @@ This applies to a plain CPU tensor, put on its own or inside a value refshare pi
 itself, where Ray would use torch's pickling or its own zero-copy reducer
 (``RAY_ENABLE_ZERO_COPY_TORCH_TENSORS``, which OpenRLHF turns on): that reducer hands each
 task a writable view of its own object, and refshare shares one object between tasks, so
-it stores tensors as their bytes and each worker gets memory of its own. A serializer the
-program registered for ``torch.Tensor`` (``ray.util.register_serializer``) is left to it.
+it stores tensors as their bytes and each worker gets memory of its own. The tensor it gets
+is then the one that reducer's deserializer makes (``torch.from_numpy`` of the elements'
+bytes, viewed as the dtype and shaped: contiguous, without ``requires_grad``), on that
+memory. A serializer the program registered for ``torch.Tensor``
+(``ray.util.register_serializer``) is left to it.
 """
 
 from __future__ import annotations
@@ -107,13 +110,24 @@ def _serializer_of_ours() -> bool:
     from ray import cloudpickle
 
     reducer = cloudpickle.CloudPickler.dispatch.get(sys.modules["torch"].Tensor)
+    return reducer is None or _zero_copy_deserializer() is not None
+
+
+def _zero_copy_deserializer() -> Any:
+    """Ray's zero-copy tensor deserializer while its reducer is the one registered for
+    tensors; else ``None`` (tensors then go through torch's pickling, or the program's)."""
+    from ray import cloudpickle
+
+    reducer = cloudpickle.CloudPickler.dispatch.get(sys.modules["torch"].Tensor)
     if reducer is None:
-        return True
+        return None
     try:
-        from ray._private.tensor_serialization_utils import zero_copy_tensors_reducer
+        from ray._private import tensor_serialization_utils as zero_copy
     except ImportError:
-        return False
-    return reducer is zero_copy_tensors_reducer
+        return None
+    if reducer is not zero_copy.zero_copy_tensors_reducer:
+        return None
+    return zero_copy._zero_copy_tensors_deserializer
 
 
 def storable_as_bytes(t: Any) -> bool:
@@ -147,7 +161,12 @@ def tensor_args(
     pieces: list[Any], dtype: Any, offset: int, size: Any, stride: Any, grad: bool
 ) -> tuple[Any, ...]:
     """What ``bootstrap.rebuild_tensor`` rebuilds a tensor from: torch's own reduction of
-    it, its storage given as the bytes that ``pieces`` hold in turn."""
+    it, its storage given as the bytes that ``pieces`` hold in turn. Under Ray's zero-copy
+    reducer, that reducer's deserializer's arguments instead, ``pieces`` holding the
+    elements in row-major order (see :func:`zero_copy`)."""
+    deserialize = _zero_copy_deserializer()
+    if deserialize is not None:
+        return (bootstrap.from_zero_copy, pieces, None, deserialize, str(dtype), tuple(size), "cpu")
     found = _torch_rebuild(dtype)
     assert found is not None, "storable_as_bytes checks it"
     rebuild, typed, tail = found
@@ -179,10 +198,19 @@ class TensorBytes:
         return bootstrap.rebuild_tensor, self.args
 
 
+def zero_copy() -> bool:
+    """Whether Ray sends tensors through its zero-copy reducer: a tensor is then stored as
+    its elements' bytes, not its storage's (what that reducer sends)."""
+    return _zero_copy_deserializer() is not None
+
+
 def tensor_form(value: Any) -> TensorBytes | None:
-    """A plain CPU tensor as its storage's bytes; ``None`` for anything else."""
+    """A plain CPU tensor as its storage's bytes (as its elements', under Ray's zero-copy
+    reducer); ``None`` for anything else."""
     if not storable_as_bytes(value):
         return None
+    if zero_copy():
+        return elements_form(value)
     ship_by_value(bootstrap)
     t = value
     return TensorBytes(
