@@ -21,7 +21,7 @@ from ._cache import CacheEntry, PutLocks, RefCache, audit_cache, scope_budget
 from ._deep import Bundled, NotSplittable, Skeleton, Split, bundled_key, never_split, split
 from ._keys import Key, Keyed, Memo, identify
 from ._keys.leaves import small_array, small_array_digest
-from ._keys.pickler import learn_pickling, pickles_alike, pickling_classes, runs_own_pickling
+from ._keys.pickler import learn_pickling, pickles_alike, pickling_classes
 from ._keys.sizes import SCALARS, estimate_size, measure
 from ._keys.stamps import first_put
 from ._keys.structure import StampedMemo, structure_stamp
@@ -30,6 +30,7 @@ from ._options import Options
 from ._pressure import gauge
 from ._ray.session import current_session, stored_bytes
 from ._ray.submit import raw_put
+from ._rules import pickles_by_own_code
 from ._verify import verifier, verify_by_env
 from ._wire.serialized import PickleOnPut, bundle_form, stored_form
 
@@ -593,7 +594,7 @@ class Scope:
         a tensor as its bytes, a container through refshare's own pickler (its tensors as
         their bytes), a value with pickling of its own (a ``DataProto``) as Ray pickles it."""
         cls = type(value)
-        plain = leaf_digests.exact(cls) is not None or runs_own_pickling(cls)
+        plain = leaf_digests.exact(cls) is not None or pickles_by_own_code(cls)
         put = self.put_stored(value if plain else PickleOnPut(value), nbytes)
         if put is None:
             return fallback

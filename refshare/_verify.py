@@ -42,10 +42,8 @@ import ray
 
 from . import _stats
 from ._hashing import Buffer, BufferHasher
-from ._keys.pickler import runs_own_pickling
-from ._keys.sizes import slot_names
 from ._ray.submit import raw_put
-from ._rules import instance_hooks
+from ._rules import instance_hooks, pickles_by_own_code, slot_names
 from ._wire.serialized import native_split
 from ._wire.tensors import pickled_as_storage, storage_bytes
 
@@ -112,7 +110,7 @@ def _described_state(obj: Any) -> tuple[Any, ...] | None:
     """``obj`` as its class and state (its ``__dict__`` and slots), for an object whose
     pickling runs code of its own; ``None`` for any other, or one with no state to read."""
     cls = type(obj)
-    if not (instance_hooks(obj) or runs_own_pickling(cls)):
+    if not (instance_hooks(obj) or pickles_by_own_code(cls)):
         return None
     state = getattr(obj, "__dict__", None)
     slots = slot_names(cls)

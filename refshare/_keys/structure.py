@@ -5,16 +5,14 @@ from __future__ import annotations
 import datetime
 import decimal
 import sys
-import types
 from typing import Any, NamedTuple
 
-from .._ray.pickling import sent_by_value
-from .._rules import pickling_epoch, pickling_of
+from .._rules import Kind, pickling_epoch, pickling_now, slot_names
 from .._wire.arrays import dtype_token
 from .leaves import small_array_digest
-from .sizes import SCALARS, slot_names
+from .sizes import SCALARS
 from .stamps import leaf_token
-from .tables import StampFn, stamps
+from .tables import StampFn, pickle_order, stamps
 
 #: How many objects a structure stamp visits at most; a larger value gets no stamp and is
 #: keyed again each time it is sent.
@@ -32,6 +30,7 @@ _IMMUTABLE = frozenset(("torch.dtype", "torch.device", "torch.layout", "torch.me
 _WALKED_BASES = frozenset(
     (object, int, float, complex, str, bytes, tuple, frozenset, dict, list, set)
 )
+_HANDLE, _CODE, _NAMED = Kind.HANDLE, Kind.CODE, Kind.NAMED
 _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
 
 
@@ -57,7 +56,7 @@ Hashed = dict[int, tuple[object, bytes]]
 
 
 class _Walk:
-    __slots__ = ("budget", "by_value", "classes", "hashed", "held", "tokens")
+    __slots__ = ("budget", "classes", "hashed", "held", "kinds", "tokens")
 
     def __init__(self, hashed: Hashed | None = None) -> None:
         self.hashed = hashed
@@ -68,14 +67,7 @@ class _Walk:
         self.classes: set[type] = set()
         #: Every object visited, held so that no id in the tokens is recycled meanwhile.
         self.held: list[object] = []
-        #: Whether Ray sends each class met as code (see ``sent_by_value``).
-        self.by_value: dict[type, bool] = {}
-
-    def sent_by_value(self, cls: Any) -> bool:
-        found = self.by_value.get(cls)
-        if found is None:
-            found = self.by_value[cls] = sent_by_value(cls)
-        return found
+        self.kinds = pickle_order.walk()
 
     def add(self, obj: object) -> None:
         self.budget -= 1
@@ -94,16 +86,17 @@ class _Walk:
         if digest is not None:
             self.tokens.append((id(obj), digest))
             return
-        if isinstance(obj, type) or cls is types.FunctionType:
-            if self.sent_by_value(obj):
+        kind = self.kinds.rule(cls).kind
+        if kind is _NAMED:
+            if self.kinds.of(obj).kind is _CODE:
                 raise _TooLarge  # its definition travels, and may have changed
             self.tokens.append(id(obj))  # sent by name
             return
-        if self.sent_by_value(cls):
-            raise _TooLarge  # the class travels with its instance
+        if kind is _HANDLE or self.kinds.sent_by_value(cls):
+            raise _TooLarge  # what it names lives in Ray; or the class travels with it
         if cls.__flags__ & _HEAP_TYPE and cls not in self.classes:
             self.classes.add(cls)  # a hook assigned to the class since changes the stamp
-            self.tokens.append(pickling_of(cls))
+            self.tokens.append(pickling_now(cls))
         stamp_fn = stamps.lookup(cls)
         if stamp_fn is not None:
             self.add_leaf(obj, stamp_fn)
