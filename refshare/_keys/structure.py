@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import decimal
 import sys
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from .._rules import Kind, pickling_epoch, pickling_now, slot_names
@@ -18,17 +19,30 @@ from .tables import StampFn, pickle_order, stamps
 #: keyed again each time it is sent.
 STRUCTURE_VISIT_BUDGET = 100_000
 
-#: Immutable values, stamped by identity (the walk holds them, so ids are not recycled).
+#: Immutable values, all of them, stamped by identity (the walk holds them, so ids are not
+#: recycled): a ``range`` holds ints only, a ``timezone`` an offset and a name.
 _ATOMS = SCALARS | {
-    str, bytes, range, slice, type(Ellipsis), type(NotImplemented), decimal.Decimal,
-    datetime.date, datetime.datetime, datetime.time, datetime.timedelta, datetime.timezone,
+    str, bytes, range, type(Ellipsis), type(NotImplemented), decimal.Decimal,
+    datetime.date, datetime.timedelta, datetime.timezone,
 }  # fmt: skip
-#: Immutable objects of numpy and torch that have no ``__dict__``, by module and name.
-_IMMUTABLE = frozenset(("torch.dtype", "torch.device", "torch.layout", "torch.memory_format"))
+#: Immutable values that hold what may change: their identity, then those parts, walked.
+#: A ``slice``'s bounds may be tensors (``cu_seqlens``); a ``datetime``'s or ``time``'s
+#: ``tzinfo`` an object with state.
+_WITH_PARTS: dict[type, Callable[[Any], tuple[object, ...]]] = {
+    slice: lambda s: (s.start, s.stop, s.step),
+    datetime.datetime: lambda d: (d.tzinfo,),
+    datetime.time: lambda t: (t.tzinfo,),
+}
+#: Immutable objects without a ``__dict__`` (numpy's and torch's; a zone of ``zoneinfo``,
+#: read from its key), by module and name.
+_IMMUTABLE = frozenset(
+    ("torch.dtype", "torch.device", "torch.layout", "torch.memory_format", "zoneinfo.ZoneInfo")
+)
 #: Built-in types an object's class may derive from and still keep all its state where the
-#: walk looks: immutable values, and the containers it walks item by item.
+#: walk looks: immutable values, the containers it walks item by item, and ``tzinfo``,
+#: which holds nothing.
 _WALKED_BASES = frozenset(
-    (object, int, float, complex, str, bytes, tuple, frozenset, dict, list, set)
+    (object, int, float, complex, str, bytes, tuple, frozenset, dict, list, set, datetime.tzinfo)
 )
 _HANDLE, _CODE, _NAMED = Kind.HANDLE, Kind.CODE, Kind.NAMED
 _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
@@ -77,6 +91,12 @@ class _Walk:
         self.held.append(obj)
         if cls in _ATOMS:
             self.tokens.append(id(obj))
+            return
+        parts = _WITH_PARTS.get(cls)
+        if parts is not None:
+            self.tokens.append(id(obj))
+            for part in parts(obj):
+                self.add(part)
             return
         entry = self.hashed.get(id(obj)) if self.hashed else None
         if entry is not None and entry[0] is obj:
