@@ -287,7 +287,7 @@ def pickling_classes(value: object, held: list[object]) -> frozenset[type]:
     and every class among the objects ``held`` in it (a structure walk's) that runs
     pickling code of its own. A dict that pickles alike says nothing of the next dict."""
     found = {type(value)}
-    found.update(cls for cls in map(type, held) if pickles_by_own_code(cls))
+    found.update(cls for cls in set(map(type, held)) if pickles_by_own_code(cls))
     return frozenset(found)
 
 
