@@ -165,7 +165,9 @@ def pickling_now(cls: type) -> object:
     if found is None or found[0] is not cls.__mro__:
         mutable = [b.__dict__ for b in cls.__mro__ if not b.__flags__ & _IMMUTABLE_TYPE]
         found = _namespaces[cls] = (cls.__mro__, mutable)
-    hooks = [dispatch_entry(cls)]
+    hooks: list[Any] = [None]  # its dispatch entry, as dispatch_entry finds it (inlined)
+    for table in _tables if len(_tables) > 1 else _dispatch_tables():
+        hooks[0] = table.get(cls, hooks[0])
     if not found[1]:
         return id(hooks[0]), hooks
     for space in found[1]:
@@ -336,22 +338,22 @@ class PickleOrder:
         self.tables = readers if leaves is None else (leaves, *readers)
         #: Per class: its rule, with what it was worked out against (see :meth:`rule`).
         self.kept: dict[type, tuple[object, object, Rule]] = {}
-        #: Leaf classes no code can change, with no reducer: see :meth:`fixed_leaf`.
-        self.fixed: dict[type, Any] = {}
+        #: Per leaf class: its digest, its pickling then, if hookable, its table's version.
+        self.leaves_kept: dict[type, tuple[Any, object, bool, int, Table]] = {}
 
     def walk(self) -> Classes:
         return Classes(self)
 
-    def fixed_leaf(self, cls: type) -> Any:
-        """The digest of a leaf class no code can change (an array's, a string's) while no
-        reducer is registered for it and its table holds it: no walk; else ``None``."""
-        digest = self.fixed.get(cls)
-        if digest is None or self.leaves is None or self.leaves.exact(cls) is not digest:
+    def leaf(self, obj: object) -> Any:
+        """The digest of ``obj`` if it is a leaf, asked without a walk (keying's first
+        question): ``None`` where a walk must tell (:meth:`Classes.leaf`)."""
+        cls = type(obj)
+        kept = self.leaves_kept.get(cls)
+        if kept is None or kept[3] != kept[4].version or pickling_now(cls) != kept[1]:
             return None
-        return digest if dispatch_entry(cls) is None else None
+        return None if kept[2] and instance_hooks(obj) else kept[0]
 
-    def epoch(self) -> tuple[int, ...]:
-        """What every class's rule depends on: the dispatch tables' and the walker's."""
+    def epoch(self) -> tuple[int, ...]:  # what every class's rule depends on
         return (*pickling_epoch(), *[table.version for table in self.tables])
 
     def rule(self, cls: type, epoch: Callable[[], object]) -> Rule:
@@ -368,8 +370,9 @@ class PickleOrder:
                 return rule
         rule = self.work_out(cls)
         self.kept[cls] = (epoch(), now, rule)
-        if rule.kind is Kind.LEAF and not (rule.per_value or _namespaces[cls][1]):
-            self.fixed[cls] = rule.entry
+        if rule.kind is Kind.LEAF and self.leaves is not None:
+            table = self.leaves
+            self.leaves_kept[cls] = (rule.entry, now, rule.per_value, table.version, table)
         return rule
 
     def work_out(self, cls: type) -> Rule:
@@ -400,8 +403,7 @@ class PickleOrder:
 
 
 class Classes:
-    """:class:`PickleOrder` as one walk asks it: nothing that decides how a class pickles
-    changes while one value is walked, so each class met is worked out once."""
+    """:class:`PickleOrder` as one walk asks it: each class met is worked out once."""
 
     __slots__ = ("epoch", "order", "rules", "sent")
 
@@ -418,8 +420,7 @@ class Classes:
             found = self.rules[cls] = self.order.rule(cls, self.tables)
         return found
 
-    def tables(self) -> object:
-        """The order's epoch, read once in a walk."""
+    def tables(self) -> object:  # the order's epoch, read once in a walk
         if self.epoch is None:
             self.epoch = self.order.epoch()
         return self.epoch

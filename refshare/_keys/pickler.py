@@ -203,7 +203,7 @@ def fingerprint_pass(obj: object, memo: Memo, reuse: bool, strict: bool) -> tupl
     only a real serialization can key (see :func:`identify`)."""
     cls = type(obj)
     kinds = None
-    leaf = pickle_order.fixed_leaf(cls)  # an exact array, a string: no walk
+    leaf = pickle_order.leaf(obj)  # an array, a tensor, a string: no walk
     if leaf is None:
         kinds = pickle_order.walk()
         leaf = kinds.leaf(obj)
