@@ -16,17 +16,15 @@ import io
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FunctionType
 from typing import Any, NamedTuple
 
 from ._dispatch import TypeTable
 from ._hashing import Buffer, BufferHasher
 from ._keys.leaves import tensor_digest
-from ._keys.pickler import runs_own_pickling
 from ._keys.sizes import estimate_size, plain_ndarray
 from ._keys.tables import Key, Keyed, leaf_digests
-from ._ray.pickling import ship_by_value
-from ._rules import instance_hooks, pickles_as, registered_serializer
+from ._ray.pickling import sent_by_value, ship_by_value
+from ._rules import Kind, PickleOrder, pickles_as
 from ._wire import bootstrap
 from ._wire.serialized import native_split, pickler_classes, ray_handle_types
 
@@ -42,6 +40,10 @@ KeyFn = Callable[[Any, int], "Keyed | None"]
 #: where the worker's rebuild would not reproduce the value exactly (it is stored whole).
 #: A subclass is reduced so only if it pickles as the registered class (``refshare._rules``).
 deep_reducers: TypeTable[Callable[[Any], Any]] = TypeTable(pickles_as)
+#: Pickle's order as a split sees it: leaves taken out as members, then the deep reducers.
+split_order = PickleOrder(leaf_digests, (deep_reducers,), ray_handle_types, sent_by_value)
+_LEAF, _HANDLE, _READ, _PLAIN = Kind.LEAF, Kind.HANDLE, Kind.READ, Kind.PLAIN
+_HOOKED, _OWN_CODE = Kind.HOOKED, Kind.OWN_CODE
 
 
 class NotSplittable(Exception):
@@ -162,38 +164,37 @@ class _Splitter:
         self.key = key
         self.min_bytes = min_bytes
         self.strict = strict
-        self.handle_types = ray_handle_types()
+        self.kinds = split_order.walk()
         self.members: list[Keyed] = []
         self.handles: list[Any] = []
         self.tensors = False
         self.seen: dict[int, tuple[object, Any]] = {}
-        #: numpy's array, unless a serializer is registered for it (see :meth:`_registered`)
-        self.ndarray = plain_ndarray()
-        if self.ndarray is not None and registered_serializer(self.ndarray):
-            self.ndarray = None
-        #: Per leaf class met in this split: whether a serializer is registered for it.
-        self.registered: dict[type, bool] = {}
-        #: Per class met in this split: whether it is plain (:func:`_plain`).
-        self.plain: dict[type, bool] = {}
+        #: ``numpy.ndarray`` while its arrays are leaves sized by their ``nbytes``: the
+        #: common member, taken out without a further look.
+        ndarray = plain_ndarray()
+        leaf = ndarray is not None and self.kinds.rule(ndarray).kind is _LEAF
+        self.ndarray = ndarray if leaf else None
 
     def persistent_id(self, obj: Any) -> Any:
         cls = type(obj)
         if cls in _PASSED:
             return None
-        if isinstance(obj, self.handle_types):
-            return self._take(obj, self.handles, obj, handle=True)
         if cls is self.ndarray:  # most members: sized as the size table sizes them
             if obj.dtype.hasobject:
                 return None  # an array of Python objects: pickled inline, one by one
             nbytes = obj.nbytes
-        elif cls is bytes:  # the padding between a consolidated storage's leaves, say
-            nbytes = len(obj)
         else:
-            if leaf_digests.exact(cls) is None or cls in _INLINE or self._registered(cls):
+            kind = self.kinds.rule(cls).kind
+            if kind is _HANDLE:
+                return self._take(obj, self.handles, obj, handle=True)
+            if kind is not _LEAF or cls in _INLINE or self.kinds.of(obj).kind is not _LEAF:
                 return None
-            if getattr(getattr(obj, "dtype", None), "hasobject", False):
+            if cls is bytes:  # the padding between a consolidated storage's leaves, say
+                nbytes = len(obj)
+            elif getattr(getattr(obj, "dtype", None), "hasobject", False):
                 return None
-            nbytes = estimate_size(obj)
+            else:
+                nbytes = estimate_size(obj)
         entry = self.seen.get(id(obj))
         if entry is not None and entry[0] is obj:
             return entry[1]
@@ -202,39 +203,29 @@ class _Splitter:
         keyed = self.key(obj, nbytes)
         if keyed is None:
             return None  # cannot be keyed: left inline, as by value
-        self.tensors = self.tensors or leaf_digests.exact(cls) is tensor_digest
+        self.tensors = self.tensors or self.kinds.rule(cls).entry is tensor_digest
         # An array's dtype stays in the skeleton, next to where the array was: pickled
         # there, it is one object with every other place that names it, as by value.
         dtype = obj.dtype if cls is self.ndarray else None
         return self._take(obj, self.members, keyed, dtype=dtype)
 
-    def _registered(self, cls: type) -> bool:
-        """Whether the program registered a serializer for the leaf class ``cls``: what it
-        makes of a value, not the value's bytes, is what a worker receives, so such a value
-        stays inline, pickled as by value (see ``_rules.registered_serializer``)."""
-        found = self.registered.get(cls)
-        if found is None:
-            found = self.registered[cls] = registered_serializer(cls)
-        return found
-
     def reduce(self, obj: Any) -> Any:
         """A reduction of ``obj`` that shows its members, for a type whose pickling hides
         them; ``NotImplemented`` for an object pickle's own reduction sends as Ray's
-        pickler would (see :func:`_plain`); ``None`` for any other."""
-        cls = type(obj)
-        plain = self.plain.get(cls)
-        if plain is None:
-            plain = self.plain[cls] = _plain(cls)
-        hooked = instance_hooks(obj)
-        if plain and not hooked:
+        pickler would (plain, by trusted code); ``None`` for any other: a class or
+        function (cloudpickle's), a leaf (refshare's own forms), one pickled by code of
+        its own (refused where ``strict``)."""
+        rule = self.kinds.of(obj)
+        kind = rule.kind
+        if kind is _PLAIN:
             return NotImplemented
-        reduce = None if hooked else deep_reducers.lookup(cls)
-        if reduce is not None:
-            reduced = reduce(obj)
+        if kind is _READ:
+            reduced = rule.entry(obj)
             if reduced is not NotImplemented:
                 return reduced
-        if self.strict and (hooked or runs_own_pickling(cls)):
-            raise NotSplittable(cls.__qualname__)
+            kind = rule.unread
+        if self.strict and (kind is _HOOKED or kind is _OWN_CODE):
+            raise NotSplittable(type(obj).__qualname__)  # (see NotSplittable)
         return None
 
     def _take(
@@ -266,21 +257,6 @@ class _Splitter:
         if not self.members:
             return None
         return Split(native, stream.getvalue(), buffers, self.members, self.handles, self.tensors)
-
-
-def _plain(cls: type) -> bool:
-    """Whether an instance of ``cls`` (without pickling hooks of its own) is pickled in a
-    split by pickle's own reduction and nothing else: no deep reducer, no pickling code of
-    its own, not a leaf (exact arrays and tensors, which also have refshare's own forms),
-    and neither a class nor a function (cloudpickle's). A metadata's many numpy scalars,
-    say: asked once per split, not once each."""
-    return not (
-        issubclass(cls, type)
-        or cls is FunctionType
-        or leaf_digests.exact(cls) is not None
-        or deep_reducers.lookup(cls) is not None
-        or runs_own_pickling(cls)
-    )
 
 
 def split(value: Any, key: KeyFn, min_bytes: int, strict: bool = False) -> Split | None:

@@ -35,12 +35,15 @@ class TypeTable(Generic[V]):
         self._settled: set[type] = set()
         #: Top-level package -> the entries waiting for one of its modules to be imported.
         self._lazy: dict[str, list[tuple[str, str, V]]] = {}
+        #: Counts the changes to the table: what was worked out from it is then done again.
+        self.version = 0
 
     def register(self, cls: type, value: V, *, replace: bool = True) -> None:
         if replace or cls not in self._entries:
             self._entries[cls] = value
             self._owners.clear()
             self._settled.clear()
+            self.version += 1
 
     def register_lazy(self, module: str, name: str, value: V) -> None:
         """Register ``value`` for ``module.name`` once that module is in ``sys.modules``; an
@@ -48,6 +51,7 @@ class TypeTable(Generic[V]):
         self._lazy.setdefault(module.partition(".")[0], []).append((module, name, value))
         self._owners.clear()
         self._settled.clear()
+        self.version += 1
 
     def registers(self, *classes: type) -> Callable[[F], F]:
         """Decorator: register the function it decorates for ``classes``."""

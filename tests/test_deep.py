@@ -212,12 +212,12 @@ def test_a_grown_batch_stores_only_its_new_members(readers: list[Any]) -> None:
 
 
 @pytest.mark.verify_off  # counts serializations, which verify adds to
-def test_a_registered_serializer_runs_once_a_call_for_each_tensor(
+def test_each_tensor_with_a_serializer_of_its_own_is_serialized_once_per_call(
     readers: list[Any],
 ) -> None:
-    """Counted with a serializer registered with Ray for tensors, which refshare then
-    leaves Ray to call: what it sends keys each tensor (the bytes cannot tell it), so a call
-    serializes each of its tensors once, whatever the number of workers."""
+    """Counted with a serializer registered with Ray for tensors, which decides what they
+    are sent as (so refshare keys them by what it sends, not by their bytes): once per
+    tensor a call, whatever the number of workers, a grown batch's old tensors too."""
     torch = pytest.importorskip("torch")
     serialized: list[tuple[int, ...]] = []
 

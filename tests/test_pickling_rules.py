@@ -22,7 +22,7 @@ from differential_kit import Probe, first_difference
 import refshare
 from refshare._deep import deep_reducers
 from refshare._keys.tables import user_fingerprints
-from refshare._rules import instance_hooks, own_pickling, pickles_as
+from refshare._rules import instance_hooks, pickles_as, pickling_is_its_packages
 
 pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
 mismatches_expected = pytest.mark.mismatches_expected
@@ -121,13 +121,13 @@ def patched_box() -> Iterator[None]:
 
 
 def test_a_class_whose_hook_other_code_assigned_is_not_its_own(patched_box: None) -> None:
-    assert not own_pickling(cases.Box)
+    assert not pickling_is_its_packages(cases.Box)
     assert not pickles_as(cases.Box, cases.Box)
     assert user_fingerprints.lookup(cases.Box) is None
 
 
 def test_a_class_pickles_as_its_own_package_says() -> None:
-    assert own_pickling(cases.Box) and own_pickling(cases.Scaled)
+    assert pickling_is_its_packages(cases.Box) and pickling_is_its_packages(cases.Scaled)
     assert user_fingerprints.lookup(cases.Box) is not None
 
 

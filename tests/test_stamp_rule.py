@@ -10,6 +10,7 @@ that moment (a nested ``sharing(enabled=False)`` block).
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import Any
 
@@ -409,3 +410,68 @@ def test_a_pickle_kept_within_a_call_vouches_only_for_classes_seen_to_pickle_ali
         got = [ray.get(probe.describe.remote(value)) for _ in range(3)]
     serials = [description[0][1] for description in got]
     assert len(set(map(repr, serials))) == 3, serials  # three pickles, as by value
+
+
+# -- only what cannot change is an atom of a stamp ---------------------------------------------
+
+
+class Zone(datetime.tzinfo):
+    """A time zone whose offset is state of its own, which its pickling sends (``tzinfo``
+    pickles as its class called with no argument, and its ``__dict__``)."""
+
+    def __init__(self, minutes: int = 0) -> None:
+        self.minutes = minutes
+
+    def utcoffset(self, when: Any) -> datetime.timedelta:
+        return datetime.timedelta(minutes=self.minutes)
+
+    def __repr__(self) -> str:
+        return f"Zone({self.minutes})"
+
+
+def slice_of_tensors() -> Case:
+    """A slice whose bounds are 0-d views of a ``cu_seqlens`` tensor, written in place by
+    torch (its version counter moves)."""
+    torch = torch_or_skip()
+    cu_seqlens = torch.tensor([0, 5, 9, 14])
+    rows = slice(cu_seqlens[1], cu_seqlens[2])
+
+    def write() -> None:
+        cu_seqlens[1:3].add_(1)
+
+    return {"big": large(), "rows": rows, "alike": Alike(np.arange(4.0))}, write
+
+
+def datetime_in_a_zone() -> Case:
+    zone = Zone(60)
+    when = datetime.datetime(2024, 1, 1, 12, tzinfo=zone)
+    at = datetime.time(12, tzinfo=zone)
+    return {
+        "big": large(),
+        "when": when,
+        "at": at,
+        "alike": Alike(np.arange(4.0)),
+    }, lambda: setattr(zone, "minutes", 120)
+
+
+ATOMS = {"slice of tensors": slice_of_tensors, "datetime in a zone": datetime_in_a_zone}
+
+
+@DEEP_MODES
+@pytest.mark.parametrize("case", ATOMS)
+def test_an_immutable_value_whose_parts_changed_within_one_call_arrives_new(
+    probe: Any, case: str, deep: bool | None
+) -> None:
+    """Sent twice unchanged (so that what was kept of it may stand for it: its pickle, its
+    split), changed in place, sent again: each send as by value then."""
+    value, change = ATOMS[case]()
+    shared, by_value = [], []
+    with refshare.sharing(min_bytes=MIN_BYTES, deep=deep):
+        for step in range(3):
+            if step == 2:
+                change()
+            shared.append(ray.get(probe.describe.remote(value), timeout=60))
+            with refshare.sharing(enabled=False):
+                by_value.append(ray.get(probe.describe.remote(value), timeout=60))
+    assert by_value[0] == by_value[1] != by_value[2]
+    assert_received_as_by_value(shared, by_value)

@@ -16,7 +16,7 @@ from typing import Any
 from .._deep import deep_reducers
 from .._keys.sizes import metadata_size, sizes
 from .._keys.tables import builtin_fingerprints
-from .._rules import own_pickling
+from .._rules import pickling_is_its_packages
 from .._wire import bootstrap
 from .._wire.tensors import TensorElements, plain_tensor
 from .framework import Framework, Target
@@ -52,7 +52,8 @@ def _plain_entries(batch: Any) -> list[tuple[str, Any]] | None:
     else (a non-tensor entry, a nested or lazily stacked ``TensorDict``, a tensor subclass
     or one with attributes) is left to the exact path: Ray's pickle."""
     tensordict = sys.modules.get("tensordict")
-    if type(batch) is not getattr(tensordict, "TensorDict", None) or not own_pickling(type(batch)):
+    td = getattr(tensordict, "TensorDict", None)
+    if type(batch) is not td or not pickling_is_its_packages(type(batch)):
         return None
     entries = getattr(batch, "_tensordict", None)
     if type(entries) is not dict:

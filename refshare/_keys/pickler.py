@@ -18,20 +18,12 @@ from typing import Any, NamedTuple
 import xxhash
 
 from .._hashing import SEED, BufferHasher, tagged
-from .._ray.pickling import sent_by_value
-from .._rules import (
-    dispatch_entry,
-    instance_hooks,
-    package_of,
-    pickling_epoch,
-    reducer_package,
-    registered_serializer,
-)
+from .._rules import Classes, Kind, pickles_by_own_code
 from .._wire import serialized
 from .._wire.arrays import memory_order
 from .leaves import Unfingerprintable, ndarray_head, tensor_digest, tensor_state
 from .stamps import STAMP_MIN_BYTES
-from .tables import Key, Memo, builtin_fingerprints, leaf_digests, user_fingerprints
+from .tables import Key, Memo, pickle_order
 
 logger = logging.getLogger("refshare")
 
@@ -53,48 +45,6 @@ class Identified(NamedTuple):
     #: Whether torch's pickling would send tensors inside it: worth pickling it with
     #: refshare's own pickler, its tensors as their bytes.
     tensors: bool
-
-
-#: Packages whose pickling code only rearranges what the object holds (no serialization
-#: of its own): their objects are walked by the fingerprint pass.
-TRUSTED_PICKLING = frozenset(
-    {
-        "builtins", "collections", "copyreg", "dataclasses", "datetime", "decimal", "enum",
-        "fractions", "functools", "ipaddress", "pathlib", "re", "types", "typing", "uuid",
-        "numpy", "torch", "tensordict", "ray",
-    }
-)  # fmt: skip
-_own_pickling: dict[type, bool] = {}
-_own_pickling_epoch: list[object] = [None]
-
-
-def runs_own_pickling(cls: type) -> bool:
-    """Whether pickling ``cls`` runs code from outside :data:`TRUSTED_PICKLING`: a reducer
-    registered for it (with ``copyreg`` or Ray's ``register_serializer``), or a
-    ``__reduce_ex__``, ``__reduce__`` or ``__getstate__`` that may serialize on its own."""
-    epoch = pickling_epoch()
-    if epoch != _own_pickling_epoch[0]:
-        _own_pickling.clear()
-        _own_pickling_epoch[0] = epoch
-    found = _own_pickling.get(cls)
-    if found is None:
-        entry = dispatch_entry(cls)
-        found = _own_pickling[cls] = (
-            entry is not None and reducer_package(entry) not in TRUSTED_PICKLING
-        ) or any(
-            _defined_outside_trusted(cls, name)
-            for name in ("__reduce_ex__", "__reduce__", "__getstate__")
-        )
-    return found
-
-
-def _defined_outside_trusted(cls: type, name: str) -> bool:
-    for base in cls.__mro__:
-        if name in base.__dict__:
-            if base is object:
-                return False
-            return (package_of(base.__dict__[name]) or package_of(base)) not in TRUSTED_PICKLING
-    return False
 
 
 class _HashFile:
@@ -140,6 +90,8 @@ def _from_class(*parts: object) -> None:
 SERIALIZE_OBJECT_ARRAYS_FROM = 10_000
 #: The stand-ins themselves, pickled by name into the hashed stream with no question asked.
 _STAND_INS = frozenset((_from_digest, _from_user_fingerprint, _from_class))
+_LEAF, _READ, _PLAIN, _NAMED = Kind.LEAF, Kind.READ, Kind.PLAIN, Kind.NAMED
+_HANDLE, _CODE = Kind.HANDLE, Kind.CODE
 
 
 class _FingerprintPickler(pickle.Pickler):
@@ -149,34 +101,27 @@ class _FingerprintPickler(pickle.Pickler):
     ``strict`` stops the pass (``NeedsSerializing``) at an object whose pickling runs code
     of its own; otherwise that code runs, and its output is hashed like the rest."""
 
-    def __init__(self, memo: Memo, reuse: bool, strict: bool) -> None:
+    def __init__(self, memo: Memo, reuse: bool, strict: bool, kinds: Classes) -> None:
         self.stream = _HashFile()
         self.buffers = BufferHasher(b"buffers")
         self.digests = memo
         self.reuse = reuse
         self.strict = strict
+        self.kinds = kinds
         self.tensors = False  # whether a tensor was hashed as torch's pickling sends it
-        self.classes: dict[type, object] = {}  # see class_key
-        self.handles = serialized.ray_handle_types()
+        self.class_keys: dict[type, object] = {}  # see class_key
         super().__init__(self.stream, protocol=5, buffer_callback=self._hash_buffer)
 
     def _hash_buffer(self, buffer: pickle.PickleBuffer) -> None:
         self.buffers.add(buffer.raw())
 
     def reducer_override(self, obj: Any) -> Any:
-        cls = type(obj)
-        if cls is types.FunctionType and obj in _STAND_INS:
+        if type(obj) is types.FunctionType and obj in _STAND_INS:
             return NotImplemented
-        if isinstance(obj, self.handles):
-            raise serialized.HoldsRayHandles(cls.__qualname__)
-        leaf = leaf_digests.exact(cls)
-        if leaf is not None and registered_serializer(cls):
-            # A serializer the program registered for the class sends what it makes of the
-            # value, not the bytes a digest reads.
-            if self.strict:
-                raise NeedsSerializing(f"{cls.__qualname__} with a serializer registered")
-            return NotImplemented
-        if leaf is not None:
+        rule = self.kinds.of(obj)
+        kind = rule.kind
+        if kind is _LEAF:
+            leaf = rule.entry
             digest = leaf(obj, self.digests, self.reuse)
             if digest is not None:
                 if leaf is tensor_digest:
@@ -188,32 +133,33 @@ class _FingerprintPickler(pickle.Pickler):
             if self.strict and getattr(obj, "size", 0) > SERIALIZE_OBJECT_ARRAYS_FROM:
                 raise NeedsSerializing("a large array of Python objects")
             return NotImplemented
-        if instance_hooks(obj):  # pickled as its own hook says: no reader reads it
-            if self.strict:
-                raise NeedsSerializing(f"{cls.__qualname__} with pickling of its own")
-            return NotImplemented
-        known = user_fingerprints.lookup(cls) if user_fingerprints else None
-        if known is None:
-            known = builtin_fingerprints.lookup(cls)
-        if known is not None:
-            content = known(obj)
+        if kind is _READ:
+            content = rule.entry(obj)
             if content is not NotImplemented:  # else not read in full: the exact path
-                return _from_user_fingerprint, (self.class_key(cls), content)
-        if (isinstance(obj, type) or cls is types.FunctionType) and sent_by_value(obj):
-            if cls is types.FunctionType:
+                return _from_user_fingerprint, (self.class_key(type(obj)), content)
+            kind = rule.unread
+        if kind is _PLAIN:  # pickled as a trusted reducer says (Ray's tables), or pickle
+            return NotImplemented if rule.reducer is None else rule.reducer(obj)
+        if kind is _NAMED:
+            return NotImplemented
+        if kind is _HANDLE:
+            raise serialized.HoldsRayHandles(type(obj).__qualname__)
+        if kind is _CODE:
+            if type(obj) is types.FunctionType:
                 raise Unfingerprintable(f"function {obj.__qualname__} is sent as code")
             return _from_class, (_class_digest(obj),)
-        if self.strict and runs_own_pickling(cls):
-            raise NeedsSerializing(cls.__qualname__)
+        if self.strict:  # hooked, or its own code: pickled as that code says
+            raise NeedsSerializing(f"{type(obj).__qualname__}: {kind.value}")
         return NotImplemented
 
     def class_key(self, cls: type) -> object:
         """What a reader's content is keyed with of its class: the name Ray sends it by,
         or for a class Ray sends as code, that code (its attributes and globals too)."""
-        found = self.classes.get(cls)
+        found = self.class_keys.get(cls)
         if found is None:
             name = f"{cls.__module__}.{cls.__qualname__}"
-            found = self.classes[cls] = _class_digest(cls) if sent_by_value(cls) else name
+            by_value = self.kinds.sent_by_value(cls)
+            found = self.class_keys[cls] = _class_digest(cls) if by_value else name
         return found
 
     def key(self) -> Key:
@@ -222,7 +168,9 @@ class _FingerprintPickler(pickle.Pickler):
         return head.digest()
 
 
-def _digest_array_list(items: list[Any] | tuple[Any, ...]) -> Key | None:
+def _digest_array_list(
+    items: list[Any] | tuple[Any, ...], kinds: Classes | None = None
+) -> Key | None:
     """A list or tuple of distinct small contiguous arrays in one streaming pass, or
     ``None``. The pickler cannot be asked about a list, so through the pass each array of
     a list of a thousand would cost a round trip of its own, more than its bytes' hash."""
@@ -230,6 +178,8 @@ def _digest_array_list(items: list[Any] | tuple[Any, ...]) -> Key | None:
     ndarray = getattr(numpy, "ndarray", None)
     if not items or type(items[0]) is not ndarray:
         return None
+    if (kinds or pickle_order.walk()).leaf(items[0]) is None:
+        return None  # a serializer of the program's sends each array
     head = tagged("arrays", type(items).__name__, len(items))
     update = head.update
     for arr in items:
@@ -252,18 +202,20 @@ def fingerprint_pass(obj: object, memo: Memo, reuse: bool, strict: bool) -> tupl
     With ``strict``, raises ``NeedsSerializing`` or ``Unfingerprintable`` for values that
     only a real serialization can key (see :func:`identify`)."""
     cls = type(obj)
-    leaf = leaf_digests.exact(cls)
-    if leaf is not None and registered_serializer(cls):
-        pass  # a serializer registered for arrays or tensors: the pass asks it below
-    elif leaf is not None and not (leaf is tensor_digest and tensor_state(obj)):
+    kinds = None
+    leaf = pickle_order.leaf(obj)  # an array, a tensor, a string: no walk
+    if leaf is None:
+        kinds = pickle_order.walk()
+        leaf = kinds.leaf(obj)
+    if leaf is not None and not (leaf is tensor_digest and tensor_state(obj)):
         digest = leaf(obj, memo, reuse)
         if digest is not None:
             return digest, False
     elif cls is list or cls is tuple:
-        digest = _digest_array_list(obj)  # type: ignore[arg-type]
+        digest = _digest_array_list(obj, kinds)  # type: ignore[arg-type]
         if digest is not None:
             return digest, False
-    pickler = _FingerprintPickler(memo, reuse, strict)
+    pickler = _FingerprintPickler(memo, reuse, strict, kinds or pickle_order.walk())
     pickler.dump(obj)
     return pickler.key(), pickler.tensors
 
@@ -335,7 +287,7 @@ def pickling_classes(value: object, held: list[object]) -> frozenset[type]:
     and every class among the objects ``held`` in it (a structure walk's) that runs
     pickling code of its own. A dict that pickles alike says nothing of the next dict."""
     found = {type(value)}
-    found.update(cls for cls in map(type, held) if runs_own_pickling(cls))
+    found.update(cls for cls in set(map(type, held)) if pickles_by_own_code(cls))
     return frozenset(found)
 
 

@@ -9,6 +9,9 @@ from itertools import chain, islice
 from typing import Any
 
 from .._dispatch import TypeTable
+from .._ray.pickling import sent_by_value
+from .._rules import Classes, Kind, PickleOrder, slot_names
+from .._wire.serialized import ray_handle_types
 from .._wire.tensors import TensorElements
 
 logger = logging.getLogger("refshare")
@@ -30,6 +33,10 @@ SCALARS = frozenset((int, float, complex, bool, type(None)))
 
 #: Sizes by type, looked up along the MRO; a negative size means "walk its members".
 sizes: TypeTable[SizeFn] = TypeTable()
+#: Pickle's order as sizing needs it: sizes come from their own table, along the MRO.
+_size_order = PickleOrder(None, (), ray_handle_types, sent_by_value)
+#: What a ref or an actor handle weighs: Ray sends its id and its owner's address.
+HANDLE_BYTES = 64
 
 
 @sizes.registers_lazy("numpy", "ndarray")
@@ -130,28 +137,10 @@ def plain_ndarray() -> type | None:
     return ndarray if ndarray is not None and sizes.lookup(ndarray) is _ndarray_size else None
 
 
-_slots: dict[type, tuple[str, ...]] = {}
-
-
-def slot_names(cls: type) -> tuple[str, ...]:
-    """The ``__slots__`` members of ``cls`` and its bases (a slotted dataclass has no
-    ``__dict__``)."""
-    names = _slots.get(cls)
-    if names is None:
-        found: dict[str, None] = {}
-        for base in cls.__mro__:
-            slots = base.__dict__.get("__slots__", ())
-            found.update(dict.fromkeys((slots,) if isinstance(slots, str) else slots))
-        found.pop("__dict__", None)
-        found.pop("__weakref__", None)
-        names = _slots[cls] = tuple(found)
-    return names
-
-
 class _Sizing:
     """One walk over an argument's members, with a visit budget and cycle guard."""
 
-    __slots__ = ("budget", "limit", "ndarray", "sample", "seen", "stopped", "total")
+    __slots__ = ("budget", "kinds", "limit", "ndarray", "sample", "seen", "stopped", "total")
 
     def __init__(self, limit: int, sample: int = sys.maxsize) -> None:
         self.limit = limit
@@ -161,6 +150,7 @@ class _Sizing:
         self.budget = SIZE_VISIT_BUDGET
         self.seen: set[int] | None = None  # made on the first container
         self.ndarray: Any = False  # plain_ndarray(), looked up on the first container
+        self.kinds: Classes | None = None  # made on the first object of no size of its own
 
     def add(self, obj: object) -> None:
         self.budget -= 1
@@ -199,6 +189,11 @@ class _Sizing:
             step = _stride(obj.size, OBJECT_ARRAY_SAMPLE)  # type: ignore[attr-defined]
             self.add_members(obj.flat[::step], obj.size)  # type: ignore[attr-defined]
         else:
+            if self.kinds is None:
+                self.kinds = _size_order.walk()
+            if self.kinds.rule(type(obj)).kind is Kind.HANDLE:
+                self.total += HANDLE_BYTES  # not what it names: Ray keeps that where it is
+                return
             state = getattr(obj, "__dict__", None)
             slots = slot_names(type(obj))
             if isinstance(state, dict):

@@ -5,33 +5,46 @@ from __future__ import annotations
 import datetime
 import decimal
 import sys
-import types
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from .._ray.pickling import sent_by_value
-from .._rules import pickling_epoch, pickling_of
+from .._rules import Kind, pickling_epoch, pickling_now, slot_names
 from .._wire.arrays import dtype_token
 from .leaves import small_array_digest
-from .sizes import SCALARS, slot_names
+from .sizes import SCALARS
 from .stamps import leaf_token
-from .tables import StampFn, stamps
+from .tables import StampFn, pickle_order, stamps
 
 #: How many objects a structure stamp visits at most; a larger value gets no stamp and is
 #: keyed again each time it is sent.
 STRUCTURE_VISIT_BUDGET = 100_000
 
-#: Immutable values, stamped by identity (the walk holds them, so ids are not recycled).
+#: Immutable values, all of them, stamped by identity (the walk holds them, so ids are not
+#: recycled): a ``range`` holds ints only, a ``timezone`` an offset and a name.
 _ATOMS = SCALARS | {
-    str, bytes, range, slice, type(Ellipsis), type(NotImplemented), decimal.Decimal,
-    datetime.date, datetime.datetime, datetime.time, datetime.timedelta, datetime.timezone,
+    str, bytes, range, type(Ellipsis), type(NotImplemented), decimal.Decimal,
+    datetime.date, datetime.timedelta, datetime.timezone,
 }  # fmt: skip
-#: Immutable objects of numpy and torch that have no ``__dict__``, by module and name.
-_IMMUTABLE = frozenset(("torch.dtype", "torch.device", "torch.layout", "torch.memory_format"))
-#: Built-in types an object's class may derive from and still keep all its state where the
-#: walk looks: immutable values, and the containers it walks item by item.
-_WALKED_BASES = frozenset(
-    (object, int, float, complex, str, bytes, tuple, frozenset, dict, list, set)
+#: Immutable values that hold what may change: their identity, then those parts, walked.
+#: A ``slice``'s bounds may be tensors (``cu_seqlens``); a ``datetime``'s or ``time``'s
+#: ``tzinfo`` an object with state.
+_WITH_PARTS: dict[type, Callable[[Any], tuple[object, ...]]] = {
+    slice: lambda s: (s.start, s.stop, s.step),
+    datetime.datetime: lambda d: (d.tzinfo,),
+    datetime.time: lambda t: (t.tzinfo,),
+}
+#: Immutable objects without a ``__dict__`` (numpy's and torch's; a zone of ``zoneinfo``,
+#: read from its key), by module and name.
+_IMMUTABLE = frozenset(
+    ("torch.dtype", "torch.device", "torch.layout", "torch.memory_format", "zoneinfo.ZoneInfo")
 )
+#: Built-in types an object's class may derive from and still keep all its state where the
+#: walk looks: immutable values, the containers it walks item by item, and ``tzinfo``,
+#: which holds nothing.
+_WALKED_BASES = frozenset(
+    (object, int, float, complex, str, bytes, tuple, frozenset, dict, list, set, datetime.tzinfo)
+)
+_HANDLE, _CODE, _NAMED = Kind.HANDLE, Kind.CODE, Kind.NAMED
 _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
 
 
@@ -57,7 +70,7 @@ Hashed = dict[int, tuple[object, bytes]]
 
 
 class _Walk:
-    __slots__ = ("budget", "by_value", "classes", "hashed", "held", "tokens")
+    __slots__ = ("budget", "classes", "hashed", "held", "kinds", "tokens")
 
     def __init__(self, hashed: Hashed | None = None) -> None:
         self.hashed = hashed
@@ -68,14 +81,7 @@ class _Walk:
         self.classes: set[type] = set()
         #: Every object visited, held so that no id in the tokens is recycled meanwhile.
         self.held: list[object] = []
-        #: Whether Ray sends each class met as code (see ``sent_by_value``).
-        self.by_value: dict[type, bool] = {}
-
-    def sent_by_value(self, cls: Any) -> bool:
-        found = self.by_value.get(cls)
-        if found is None:
-            found = self.by_value[cls] = sent_by_value(cls)
-        return found
+        self.kinds = pickle_order.walk()
 
     def add(self, obj: object) -> None:
         self.budget -= 1
@@ -86,6 +92,12 @@ class _Walk:
         if cls in _ATOMS:
             self.tokens.append(id(obj))
             return
+        parts = _WITH_PARTS.get(cls)
+        if parts is not None:
+            self.tokens.append(id(obj))
+            for part in parts(obj):
+                self.add(part)
+            return
         entry = self.hashed.get(id(obj)) if self.hashed else None
         if entry is not None and entry[0] is obj:
             digest: bytes | None = entry[1]  # hashed a moment ago, by the same code
@@ -94,16 +106,17 @@ class _Walk:
         if digest is not None:
             self.tokens.append((id(obj), digest))
             return
-        if isinstance(obj, type) or cls is types.FunctionType:
-            if self.sent_by_value(obj):
+        kind = self.kinds.rule(cls).kind
+        if kind is _NAMED:
+            if self.kinds.of(obj).kind is _CODE:
                 raise _TooLarge  # its definition travels, and may have changed
             self.tokens.append(id(obj))  # sent by name
             return
-        if self.sent_by_value(cls):
-            raise _TooLarge  # the class travels with its instance
+        if kind is _HANDLE or self.kinds.sent_by_value(cls):
+            raise _TooLarge  # what it names lives in Ray; or the class travels with it
         if cls.__flags__ & _HEAP_TYPE and cls not in self.classes:
             self.classes.add(cls)  # a hook assigned to the class since changes the stamp
-            self.tokens.append(pickling_of(cls))
+            self.tokens.append(pickling_now(cls))
         stamp_fn = stamps.lookup(cls)
         if stamp_fn is not None:
             self.add_leaf(obj, stamp_fn)

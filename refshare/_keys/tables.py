@@ -7,7 +7,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from .._dispatch import TypeTable
-from .._rules import pickles_as
+from .._ray.pickling import sent_by_value
+from .._rules import PickleOrder, pickles_as
+from .._wire.serialized import ray_handle_types
 from .sizes import SizeFn, register_size
 
 Key = bytes
@@ -65,6 +67,11 @@ user_fingerprints: TypeTable[FingerprintFn] = TypeTable(pickles_as)
 #: registered for when their package is imported; a user's registration takes precedence.
 #: Each is an allow-list: ``NotImplemented`` for a value it has not read in full.
 builtin_fingerprints: TypeTable[FingerprintFn] = TypeTable(pickles_as)
+#: Pickle's order as keys see it: leaves digested in place, then a user's readers, then
+#: refshare's own (see ``refshare._rules``).
+pickle_order = PickleOrder(
+    leaf_digests, (user_fingerprints, builtin_fingerprints), ray_handle_types, sent_by_value
+)
 
 
 def register_fingerprint(

@@ -21,12 +21,12 @@ from .._admission import Admission, Splitting
 from .._cache import audit_cache
 from .._deep import Bundled, Skeleton, Split, never_split
 from .._keys import Keyed
-from .._keys.pickler import runs_own_pickling
 from .._keys.sizes import SCALARS, estimate_size, measure
 from .._keys.tables import leaf_digests, user_fingerprints
 from .._ledger import Ledger, Tab, Timing, not_keying
 from .._options import Options
 from .._ray.session import current_session
+from .._rules import pickles_by_own_code
 from .._verify import MISMATCH, Mode, verifier, verify_by_env
 from .._wire.serialized import Serialized, stored_whole
 from .memo import CallMemo, NotKeyed
@@ -249,7 +249,7 @@ class Scope:
         assert self.admission is not None  # only the admission says cold
         if not self.memo.sent_unkeyed(value):
             self.admission.passed(kind)
-            plain = leaf_digests.exact(type(value)) is not None or runs_own_pickling(type(value))
+            plain = leaf_digests.exact(type(value)) is not None or pickles_by_own_code(type(value))
             stored = stored_whole(value, tensors=not plain)
             put_now = self.store.put_form(stored, tab.nbytes, keyed=False)
             if put_now is None:
