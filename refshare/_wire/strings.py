@@ -151,13 +151,16 @@ def _aliasing(pointers: Any, numpy: Any) -> tuple[Any, Any] | None:
     np = numpy
     size = pointers.size
     after, before = pointers[1:], pointers[:-1]
-    if not (after < before).any():
+    descents = int(np.count_nonzero(after < before))
+    if not descents:
         new = after != before
         if new.all():
             return None
         first = np.concatenate(([True], new))
         number = np.cumsum(first) - 1
         return np.flatnonzero(first), number.astype(np.min_scalar_type(number[-1]))
+    # Timsort takes a few ascending runs in one pass or so; quicksort anything else.
+    kind: Literal["stable", "quicksort"] = "stable" if descents * 32 < size else "quicksort"
     lo = pointers.min()
     offsets = pointers - lo
     aligned = int(np.bitwise_or.reduce(offsets))
@@ -166,15 +169,16 @@ def _aliasing(pointers: Any, numpy: Any) -> tuple[Any, Any] | None:
     if (int(offsets.max()) >> shift).bit_length() + bits <= 64:
         packed = (offsets >> np.uint64(shift)) << np.uint64(bits)
         packed |= np.arange(size, dtype=np.uint64)
-        packed.sort()  # by pointer, then position: each object's first comes first
-        perm = (packed & np.uint64((1 << bits) - 1)).astype(np.intp)
+        packed.sort(kind=kind)  # by pointer, then position: each object's first comes first
         ordered = packed >> np.uint64(bits)
     else:  # pragma: no cover - pointers spread over more than the address space's bits
-        perm = np.argsort(pointers, kind="stable")
-        ordered = pointers[perm]
+        packed = np.argsort(pointers, kind="stable")
+        ordered = pointers[packed]
     new = ordered[1:] != ordered[:-1]
     if new.all():
         return None
+    perm = packed if packed.dtype == np.intp else (packed & np.uint64((1 << bits) - 1))
+    perm = perm.astype(np.intp, copy=False)
     starts = np.flatnonzero(np.concatenate(([True], new)))
     firsts = perm[starts]  # each object's first element
     first = np.zeros(size, dtype=bool)
