@@ -130,8 +130,9 @@ def _held(flat: Any, numpy: Any) -> Any:
 
 
 def _all_str(items: list[str], pointers: Any, numpy: Any) -> bool:
-    """Whether every element is an exact ``str``: the type of each object read at once,
-    where the layout is known (``items`` holds the objects), else one by one."""
+    """Whether every element is an exact ``str``: the type of each object ``pointers``
+    names (every object of ``items``, which holds them) read at once where the layout is
+    known, else each element's in Python."""
     layout = _layout()
     aligned = int(numpy.bitwise_or.reduce(pointers)) % _WORD == 0  # as any allocator gives
     if layout is None or not aligned:
@@ -143,24 +144,32 @@ def _all_str(items: list[str], pointers: Any, numpy: Any) -> bool:
     return bool((types == id(str)).all())
 
 
+def _runs(pointers: Any, numpy: Any) -> Any:
+    """Where each run of elements that are one object starts (verl's uids, each repeated
+    in place for its samples): every element, when none repeats the one before it."""
+    changes = pointers[1:] != pointers[:-1]
+    if changes.all():
+        return None
+    return numpy.flatnonzero(numpy.concatenate(([True], changes)))
+
+
 def _aliasing(pointers: Any, numpy: Any) -> tuple[Any, Any] | None:
-    """Where each distinct object first occurs and, for each element, the number of its
-    object (numbered by first occurrence); ``None`` when every element is an object of its
-    own. Compares pointers, in numpy: one pass when they ascend (objects made one after
-    another, repeated in place), else one sort of pointer and position packed together."""
+    """For pointers no two neighbours of which are equal: where each distinct object first
+    occurs and, for each element, the number of its object (numbered by first occurrence);
+    ``None`` when every element is an object of its own. Pointers that ascend are distinct;
+    others are sorted to tell, and where some repeat, sorted again with each one's
+    position packed below it in one integer."""
     np = numpy
     size = pointers.size
-    after, before = pointers[1:], pointers[:-1]
-    descents = int(np.count_nonzero(after < before))
+    descents = int(np.count_nonzero(pointers[1:] < pointers[:-1]))
     if not descents:
-        new = after != before
-        if new.all():
-            return None
-        first = np.concatenate(([True], new))
-        number = np.cumsum(first) - 1
-        return np.flatnonzero(first), number.astype(np.min_scalar_type(number[-1]))
+        return None
     # Timsort takes a few ascending runs in one pass or so; quicksort anything else.
     kind: Literal["stable", "quicksort"] = "stable" if descents * 32 < size else "quicksort"
+    ordered = np.sort(pointers, kind=kind)
+    if (ordered[1:] != ordered[:-1]).all():
+        return None
+    # Sorted again, each pointer with its position below it: each object's first comes first.
     lo = pointers.min()
     offsets = pointers - lo
     aligned = int(np.bitwise_or.reduce(offsets))
@@ -169,25 +178,33 @@ def _aliasing(pointers: Any, numpy: Any) -> tuple[Any, Any] | None:
     if (int(offsets.max()) >> shift).bit_length() + bits <= 64:
         packed = (offsets >> np.uint64(shift)) << np.uint64(bits)
         packed |= np.arange(size, dtype=np.uint64)
-        packed.sort(kind=kind)  # by pointer, then position: each object's first comes first
+        packed.sort(kind=kind)
         ordered = packed >> np.uint64(bits)
+        positions = (packed & np.uint64((1 << bits) - 1)).astype(np.intp)
     else:  # pragma: no cover - pointers spread over more than the address space's bits
-        packed = np.argsort(pointers, kind="stable")
-        ordered = pointers[packed]
+        positions = np.argsort(pointers, kind="stable")
+        ordered = pointers[positions]
     new = ordered[1:] != ordered[:-1]
-    if new.all():
-        return None
-    perm = packed if packed.dtype == np.intp else (packed & np.uint64((1 << bits) - 1))
-    perm = perm.astype(np.intp, copy=False)
     starts = np.flatnonzero(np.concatenate(([True], new)))
-    firsts = perm[starts]  # each object's first element
+    firsts = positions[starts]  # each object's first element
     first = np.zeros(size, dtype=bool)
     first[firsts] = True
     ranks = np.cumsum(first) - 1
     number = ranks[firsts].astype(np.min_scalar_type(ranks[-1]))
     index = np.empty(size, dtype=number.dtype)
-    index[perm] = np.repeat(number, np.diff(starts, append=size))
+    index[positions] = np.repeat(number, np.diff(starts, append=size))
     return np.flatnonzero(first), index
+
+
+def _in_runs(aliased: tuple[Any, Any] | None, runs: Any, size: int, numpy: Any) -> Any:
+    """What ``_aliasing`` said of the runs' first elements, said of all ``size`` elements:
+    each element is its run's object."""
+    lengths = numpy.diff(runs, append=size)
+    if aliased is None:  # each run another object
+        number = numpy.arange(runs.size, dtype=numpy.min_scalar_type(runs.size - 1))
+        return runs, numpy.repeat(number, lengths)
+    positions, number = aliased
+    return runs[positions], numpy.repeat(number, lengths)
 
 
 def _plain_objects(dtype: Any, numpy: Any) -> bool:
@@ -202,9 +219,13 @@ def _join(flat: Any, order: Literal["C", "F"], numpy: Any) -> _Kept | None:
     ``str`` free of NUL."""
     items = flat.tolist()
     pointers, holder = _pointers(items, numpy)
-    if not _all_str(items, pointers, numpy):
+    runs = _runs(pointers, numpy)
+    heads = pointers if runs is None else pointers[runs]  # each run of one object, once
+    if not _all_str(items, heads, numpy):
         return None
-    aliased = _aliasing(pointers, numpy)
+    aliased = _aliasing(heads, numpy)
+    if runs is not None:
+        aliased = _in_runs(aliased, runs, pointers.size, numpy)
     index = None
     strings = items
     if aliased is not None:
