@@ -138,9 +138,9 @@ def _all_str(items: list[str], pointers: Any, numpy: Any) -> bool:
     if layout is None or not aligned:
         return list(map(type, items)).count(str) == len(items)
     lo, hi = int(pointers.min()), int(pointers.max())
-    shift = numpy.uint64(_WORD.bit_length() - 1)
-    offsets = ((pointers - numpy.uint64(lo)) >> shift).astype(numpy.intp)
-    types = _words(lo + layout[1], (hi - lo) // _WORD + 1, numpy).take(offsets)
+    words = numpy.subtract(pointers, numpy.uint64(lo))  # each object's offset, in words
+    words >>= numpy.uint64(_WORD.bit_length() - 1)
+    types = _words(lo + layout[1], (hi - lo) // _WORD + 1, numpy).take(words.view(numpy.intp))
     return bool((types == id(str)).all())
 
 
@@ -153,12 +153,17 @@ def _runs(pointers: Any, numpy: Any) -> Any:
     return numpy.flatnonzero(numpy.concatenate(([True], changes)))
 
 
+#: How many pointers, evenly spaced, are sorted first to see whether any object repeats.
+SAMPLE = 2048
+
+
 def _aliasing(pointers: Any, numpy: Any) -> tuple[Any, Any] | None:
     """For pointers no two neighbours of which are equal: where each distinct object first
     occurs and, for each element, the number of its object (numbered by first occurrence);
     ``None`` when every element is an object of its own. Pointers that ascend are distinct;
-    others are sorted to tell, and where some repeat, sorted again with each one's
-    position packed below it in one integer."""
+    others are sorted with each one's position packed below it in one integer, once it is
+    known that some repeat (in a sample, else in all of them sorted to tell). Worked in
+    two buffers: large temporaries are fresh pages from the system, a fault per 4 KiB."""
     np = numpy
     size = pointers.size
     descents = int(np.count_nonzero(pointers[1:] < pointers[:-1]))
@@ -166,31 +171,44 @@ def _aliasing(pointers: Any, numpy: Any) -> tuple[Any, Any] | None:
         return None
     # Timsort takes a few ascending runs in one pass or so; quicksort anything else.
     kind: Literal["stable", "quicksort"] = "stable" if descents * 32 < size else "quicksort"
-    ordered = np.sort(pointers, kind=kind)
-    if (ordered[1:] != ordered[:-1]).all():
-        return None
-    # Sorted again, each pointer with its position below it: each object's first comes first.
-    lo = pointers.min()
-    offsets = pointers - lo
-    aligned = int(np.bitwise_or.reduce(offsets))
+    work = np.sort(pointers[:: max(1, size // SAMPLE)])  # a sample first: 16 KiB
+    if (work[1:] == work[:-1]).any():
+        work = np.empty_like(pointers)
+    else:  # no repeat in the sample: all of them sorted, to tell
+        work = np.sort(pointers, kind=kind)
+        if not (work[1:] == work[:-1]).any():
+            return None
+    lo, hi = int(pointers.min()), int(pointers.max())
+    np.subtract(pointers, np.uint64(lo), out=work)  # offsets, in the elements' order
+    aligned = int(np.bitwise_or.reduce(work))
     shift = (aligned & -aligned).bit_length() - 1 if aligned else 0
     bits = (size - 1).bit_length()
-    if (int(offsets.max()) >> shift).bit_length() + bits <= 64:
-        packed = (offsets >> np.uint64(shift)) << np.uint64(bits)
-        packed |= np.arange(size, dtype=np.uint64)
-        packed.sort(kind=kind)
-        ordered = packed >> np.uint64(bits)
-        positions = (packed & np.uint64((1 << bits) - 1)).astype(np.intp)
-    else:  # pragma: no cover - pointers spread over more than the address space's bits
-        positions = np.argsort(pointers, kind="stable")
-        ordered = pointers[positions]
-    new = ordered[1:] != ordered[:-1]
-    starts = np.flatnonzero(np.concatenate(([True], new)))
+    if ((hi - lo) >> shift).bit_length() + bits > 64:  # pragma: no cover - a vast address space
+        work = np.argsort(pointers, kind="stable")
+        return _numbered(pointers[work], work, np)
+    # Each pointer with its position below it: sorted, each object's first comes first.
+    work >>= np.uint64(shift)
+    work <<= np.uint64(bits)
+    positions = np.arange(size, dtype=np.uint64)
+    work |= positions
+    work.sort(kind=kind)
+    np.bitwise_and(work, np.uint64((1 << bits) - 1), out=positions)
+    work >>= np.uint64(bits)
+    return _numbered(work, positions.view(np.intp), np)
+
+
+def _numbered(ordered: Any, positions: Any, numpy: Any) -> tuple[Any, Any]:
+    """From pointers sorted (``ordered``) and the position each came from (``positions``,
+    ascending among equal pointers): where each distinct object first occurs, and each
+    element's object numbered by first occurrence. ``ordered`` is written over."""
+    np = numpy
+    size = ordered.size
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
     firsts = positions[starts]  # each object's first element
     first = np.zeros(size, dtype=bool)
     first[firsts] = True
-    ranks = np.cumsum(first) - 1
-    number = ranks[firsts].astype(np.min_scalar_type(ranks[-1]))
+    ranks = np.cumsum(first, out=ordered.view(np.intp))
+    number = (ranks[firsts] - 1).astype(np.min_scalar_type(starts.size - 1))
     index = np.empty(size, dtype=number.dtype)
     index[positions] = np.repeat(number, np.diff(starts, append=size))
     return np.flatnonzero(first), index
@@ -221,16 +239,18 @@ def _join(flat: Any, order: Literal["C", "F"], numpy: Any) -> _Kept | None:
     pointers, holder = _pointers(items, numpy)
     runs = _runs(pointers, numpy)
     heads = pointers if runs is None else pointers[runs]  # each run of one object, once
-    if not _all_str(items, heads, numpy):
-        return None
     aliased = _aliasing(heads, numpy)
     if runs is not None:
         aliased = _in_runs(aliased, runs, pointers.size, numpy)
     index = None
     strings = items
+    distinct = pointers
     if aliased is not None:
         positions, index = aliased
         strings = list(map(items.__getitem__, positions.tolist()))
+        distinct = pointers[positions]
+    if not _all_str(items, distinct, numpy):  # each distinct object's type, once
+        return None
     text = "\0".join(strings)
     data = text.encode("utf-8", "surrogatepass")
     raw = numpy.frombuffer(data, dtype=numpy.uint8)
