@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import sysconfig
 import threading
 from collections import OrderedDict
 from typing import Any, Literal, NamedTuple
@@ -96,16 +97,18 @@ def _words(start: int, words: int, numpy: Any) -> Any:
 @functools.cache
 def _layout() -> tuple[int, int] | None:
     """Where CPython keeps a list's item pointers and an object's type, in bytes from the
-    list's and the object's address; checked on live objects once. ``None`` where they
-    are not where this build is expected to keep them: the elements are then read one by
-    one in Python."""
-    items_at = list.__basicsize__ - 2 * _WORD  # a list ends with ob_item, then allocated
-    type_at = object.__basicsize__ - _WORD  # an object's header ends with ob_type
+    list's and the object's address: for a build whose list and object headers have the
+    sizes of CPython's with the GIL, checked once on live objects. ``None`` elsewhere (PyPy,
+    a free-threaded build): the elements are then read one by one in Python."""
+    if sys.implementation.name != "cpython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return None
+    if object.__basicsize__ != 2 * _WORD or list.__basicsize__ != 5 * _WORD:
+        return None
+    items_at, type_at = 3 * _WORD, _WORD  # after the list's header; after the refcount
     probe = [str(n) for n in range(1000, 1003)]
     read = ctypes.c_size_t.from_address
-    if [read(read(id(probe) + items_at).value + i * _WORD).value for i in range(3)] != list(
-        map(id, probe)
-    ):
+    start = read(id(probe) + items_at).value
+    if [read(start + i * _WORD).value for i in range(3)] != list(map(id, probe)):
         return None
     return (items_at, type_at) if read(id(probe[0]) + type_at).value == id(str) else None
 
