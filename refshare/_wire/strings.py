@@ -268,9 +268,9 @@ def _join(flat: Any, order: Literal["C", "F"], numpy: Any) -> _Kept | None:
     return _Kept(holder, pointers, Joined(text, order, index, digest))
 
 
-#: How many joins are kept, and how many bytes they may hold at most (see ``_weight``); a
-#: larger one is not kept.
-KEPT_JOINS = 8
+#: How many joins are kept (a batch's few arrays of text, each chunk of them), and how many
+#: bytes they may hold at most (see ``_weight``); a larger one is not kept.
+KEPT_JOINS = 32
 KEPT_BYTES = 64 << 20
 
 
