@@ -19,6 +19,7 @@ from ._options import Options, signed
 from ._ray.pickling import ensure_pickling_patch, self_pickling_types
 from ._ray.submit import ensure_installed, raw_put
 from ._scope import Scope
+from ._wire.strings import forget_joins
 
 logger = logging.getLogger("refshare")
 
@@ -27,10 +28,12 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def clear() -> None:
     """Empty the process-wide cache (Ray frees each object once no task still uses it), and
-    forget what refshare learned of which values repeat and which classes pickle alike."""
+    forget what refshare learned of which values repeat and which classes pickle alike, and
+    the strings it joined lately."""
     for cache in (process_cache(), audit_cache(process_cache())):
         cache.clear()
     forget_pickling()
+    forget_joins()
 
 
 _warned_client = False

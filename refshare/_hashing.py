@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,18 +38,23 @@ def _get_pool() -> ThreadPoolExecutor:
     return _pool
 
 
-def _chunk_digests(flat: memoryview, start: int, stop: int) -> list[bytes]:
+def _chunk_digests(flat: memoryview, parts: list[bytes], claim: Iterator[int]) -> None:
+    """Hash the chunks of ``flat`` that this thread claims, one at a time, into ``parts``,
+    until none is left: a thread that starts late or runs slowly takes fewer of them."""
     digest = xxhash.xxh3_128_digest
-    return [
-        digest(flat[i : min(i + CHUNK_BYTES, stop)], SEED) for i in range(start, stop, CHUNK_BYTES)
-    ]
+    for i in claim:  # one iterator shared by the threads: each chunk is claimed once
+        start = i * CHUNK_BYTES
+        parts[i] = digest(flat[start : start + CHUNK_BYTES], SEED)
 
 
 def digest_buffer(buf: Buffer) -> bytes:
     """Return the 16-byte digest of a C-contiguous buffer, hashed where it lies.
 
     xxhash releases the GIL on large inputs, so a large buffer is cut into fixed chunks that
-    the calling thread and a small pool hash at once; the chunk digests are hashed again.
+    the calling thread and a small pool hash at once, each taking the next chunk left; the
+    chunk digests are hashed again. The calling thread waits only for chunks a pool thread
+    is hashing: a pool thread that has not started by then (busy with another buffer) is
+    not waited for.
     """
     flat = memoryview(buf)
     if flat.ndim != 1 or flat.itemsize != 1:
@@ -58,16 +63,14 @@ def digest_buffer(buf: Buffer) -> bytes:
     if size <= PARALLEL_MIN_BYTES:
         return xxhash.xxh3_128_digest(flat, SEED)
     chunks = -(-size // CHUNK_BYTES)
-    threads = min(HASH_THREADS, chunks)
-    if threads == 1:
-        parts = _chunk_digests(flat, 0, size)
-    else:
-        per = -(-chunks // threads) * CHUNK_BYTES
-        bounds = [(lo, min(lo + per, size)) for lo in range(0, size, per)]
-        futures = [_get_pool().submit(_chunk_digests, flat, lo, hi) for lo, hi in bounds[1:]]
-        parts = _chunk_digests(flat, *bounds[0])
-        for future in futures:
-            parts.extend(future.result())
+    parts = [b""] * chunks
+    claim = iter(range(chunks))
+    helpers = min(HASH_THREADS, chunks) - 1
+    futures = [_get_pool().submit(_chunk_digests, flat, parts, claim) for _ in range(helpers)]
+    _chunk_digests(flat, parts, claim)
+    for future in futures:
+        if not future.cancel():  # started: it may be hashing a chunk still
+            future.result()
     tree = xxhash.xxh3_128(size.to_bytes(8, "little"), SEED)
     tree.update(b"".join(parts))
     return tree.digest()

@@ -17,6 +17,7 @@ from refshare._admission import (  # the counts that decide what is keyed
 from refshare._boot import Chain, Method, merged_runtime_env  # refshare run's setup
 from refshare._cache import process_cache  # the process-wide cache, to count its entries
 from refshare._hashing import PARALLEL_MIN_BYTES, digest_buffer  # the chunked digest
+from refshare._hashing import _get_pool as hashing_pool  # its helper threads, to keep busy
 from refshare._integrations import FRAMEWORKS, _enabled  # the frameworks enable() knows
 from refshare._integrations.framework import Framework, Target
 from refshare._integrations.skyrl import register_tensor_batch  # a mirror keyed as SkyRL's
@@ -63,6 +64,7 @@ __all__ = [
     "digest_buffer",
     "digests_kept_across_calls",
     "first_put",
+    "hashing_pool",
     "identify",
     "job_writer",
     "kind",

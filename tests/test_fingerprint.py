@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copyreg
+import threading
 from typing import Any
 
 import internals
 import numpy as np
 import pytest
-from internals import PARALLEL_MIN_BYTES, digest_buffer
+from internals import PARALLEL_MIN_BYTES, digest_buffer, hashing_pool
 
 import refshare
 from refshare import estimate_size, fingerprint
@@ -77,6 +78,25 @@ def test_large_buffers_hash_in_chunks_by_content_only() -> None:
     changed[-1] ^= 1
     assert digest_buffer(data) != digest_buffer(changed)
     assert digest_buffer(data) != digest_buffer(data[:-1])
+
+
+def test_a_busy_hashing_pool_is_not_waited_for() -> None:
+    """A large buffer hashed while every helper thread is busy with other work is hashed by
+    the calling thread alone, to the same digest: it does not wait for them."""
+    data = np.random.default_rng(1).integers(0, 255, PARALLEL_MIN_BYTES * 3, dtype=np.uint8)
+    expected = digest_buffer(data)
+    pool, release = hashing_pool(), threading.Event()
+    blockers = [pool.submit(release.wait, 120) for _ in range(pool._max_workers)]
+    got: list[bytes] = []
+    hashing = threading.Thread(target=lambda: got.append(digest_buffer(data)))
+    hashing.start()
+    hashing.join(timeout=60)
+    finished = not hashing.is_alive()
+    release.set()
+    hashing.join()
+    for blocker in blockers:
+        blocker.result()
+    assert finished and got == [expected]
 
 
 def test_memo_hashes_each_array_once_per_call() -> None:

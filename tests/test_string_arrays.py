@@ -67,6 +67,10 @@ def receiver(local_ray: None) -> Any:
 # -- the arrays ---------------------------------------------------------------------------
 
 
+class Tag(str):
+    """A str subclass: pickles with its class, so an array holding one is not joined."""
+
+
 def fresh(text: str) -> str:
     """An equal string that is an object of its own (for more than one character)."""
     return "".join([text[:1], text[1:]])
@@ -259,3 +263,105 @@ def test_the_key_carries_the_aliasing() -> None:
     grid = aliased.reshape(PROMPTS, SAMPLES)
     assert fingerprint(grid) != fingerprint(np.asfortranarray(grid))
     assert fingerprint(np.asfortranarray(grid)) == fingerprint(np.asfortranarray(grid.copy()))
+
+
+# -- what is kept of a join ------------------------------------------------------------------
+
+
+def afresh(arr: np.ndarray) -> tuple[Any, Any]:
+    """The key and stored form of ``arr`` as a first sight makes them: nothing joined kept."""
+    from refshare._wire.strings import forget_joins, strings_form
+
+    forget_joins()
+    form = strings_form(arr)
+    forget_joins()
+    return fingerprint(arr), None if form is None else form.args
+
+
+def kept(arr: np.ndarray) -> tuple[Any, Any]:
+    """The key and stored form of ``arr`` with what was joined lately kept."""
+    from refshare._wire.strings import strings_form
+
+    form = strings_form(arr)
+    return fingerprint(arr), None if form is None else form.args
+
+
+def assert_same_form(got: tuple[Any, Any], want: tuple[Any, Any], what: str) -> None:
+    assert got[0] == want[0], f"{what}: key"
+    if want[1] is None:
+        assert got[1] is None, what
+        return
+    (text, shape, order, index), (want_text, want_shape, want_order, want_index) = got[1], want[1]
+    assert (text, shape, order) == (want_text, want_shape, want_order), what
+    if want_index is None:
+        assert index is None, what
+    else:
+        assert index is not None and index.dtype == want_index.dtype, what
+        assert np.array_equal(index, want_index), what
+
+
+def test_a_kept_join_answers_only_for_the_very_objects() -> None:
+    """An array holding the objects of one joined lately, in the same order (the array
+    again, a copy, a view), is found by its pointers; once any element is replaced (by an
+    equal string of its own, by another element's object, by other text, by other text at
+    the very address the old object was freed from, by what is not a plain string), its key
+    and stored form are what a first sight gives."""
+    rng = random.Random(2)
+    arr = np.array([fresh(f"uid-{i % 97:02d}-\u00e9") for i in range(3000)], object)
+    arr[7::7] = arr[0]
+    for step in range(60):
+        i, j = rng.randrange(1, arr.size), rng.randrange(arr.size)
+        change = step % 6
+        if change == 0:
+            arr[i] = fresh(arr[i])  # equal text, an object of its own
+        elif change == 1:
+            arr[i] = arr[j]  # one object in two places
+        elif change == 2:
+            arr[i] = fresh(f"changed-{step}")
+        elif change == 3:
+            # A long string freed, then other text of its size made at once: were nothing
+            # else holding the old one, the new one would take its address (malloc hands
+            # the block just freed back).
+            other = fresh(f"long-{step:02d}-" + "x" * 600)
+            arr[i] = other.swapcase()
+            kept(arr)
+            other = arr[i].replace("LONG", "long")
+            arr[i] = None
+            arr[i] = other.swapcase()  # LONG-..-xxx, where it was LONG-..-XXX
+        elif change == 4 and step % 12 == 4:
+            arr[i] = Tag(arr[i])  # a subclass: not joined, until replaced again
+        kept(arr)  # joined now, or found
+        for view in (arr, arr.copy(), arr.reshape(60, 50)[:, ::2], np.asfortranarray(arr)):
+            assert_same_form(kept(view), afresh(view), f"step {step}")
+        if change == 4 and step % 12 == 4:
+            arr[i] = fresh("plain again")
+
+
+def test_the_layout_read_in_python_gives_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the list and object layouts are not known, the elements are read one by one:
+    the same keys and forms, the same arrays refused."""
+    from refshare._wire import strings
+
+    refused = []
+    for other in (Tag("x"), np.str_("x"), b"x", None, "a\0b"):
+        arr = uid_column()
+        arr[1000::97] = other
+        refused.append(arr)
+    arrays = [make() for make in CASES.values()] + refused
+    fast = [afresh(arr) for arr in arrays]
+    monkeypatch.setattr(strings, "_layout", lambda: None)
+    for arr, want in zip(arrays, fast, strict=True):
+        assert_same_form(afresh(arr), want, repr(arr.ravel()[:3]))
+    assert all(found[1] is None for found in fast[len(CASES) :])
+
+
+def test_clear_lets_go_of_the_strings_joined() -> None:
+    """What was joined is held (its objects' addresses cannot be reused while kept), until
+    ``refshare.clear()``."""
+    text = fresh("held by the array, and by what refshare joined")
+    arr = np.array([text] * 300 + [fresh(f"x{i}") for i in range(300)], object)
+    alone = sys.getrefcount(text)
+    fingerprint(arr)
+    assert sys.getrefcount(text) > alone
+    refshare.clear()
+    assert sys.getrefcount(text) == alone

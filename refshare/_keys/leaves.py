@@ -80,13 +80,9 @@ def _digest_strings(arr: Any) -> Key | None:
     found = joined(arr)
     if found is None:
         return None
-    text, order, index = found
-    data = text.encode("utf-8", "surrogatepass")
-    if index is None:  # every element an object of its own
-        return digest_with(tagged("strings", arr.shape, order), data)
-    head = tagged("aliased strings", arr.shape, order, index.dtype.str, len(data))
-    head.update(index)
-    return digest_with(head, data)
+    head = tagged("strings", arr.shape, found.order)
+    head.update(found.digest)
+    return head.digest()
 
 
 def _digest_ndarray(arr: Any) -> Key | None:
