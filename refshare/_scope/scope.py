@@ -75,8 +75,7 @@ class Scope:
     # -- a task's arguments, ray.put and share() ---------------------------------------------
 
     def timing(self) -> Timing | None:
-        """A clock for the call about to be sent: auditing, what keying its arguments takes
-        and what Ray takes to send them by value (see ``_ledger.Timing``); else ``None``."""
+        """An audit's clock for the call about to be sent (see ``_ledger.Timing``)."""
         return self.ledger.timing()
 
     def rewrite(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -85,21 +84,13 @@ class Scope:
         Returns the very same objects when nothing was replaced, so Ray sees no copy.
         """
         self.ledger.submission()
-        new_args = args
-        for index, value in enumerate(args or ()):
-            shared = self.share(value, index)
-            if shared is not value:
-                if new_args is args:
-                    new_args = list(args)
-                new_args[index] = shared
-        new_kwargs = kwargs
-        for name, value in (kwargs or {}).items():
-            shared = self.share(value, name)
-            if shared is not value:
-                if new_kwargs is kwargs:
-                    new_kwargs = dict(kwargs)
-                new_kwargs[name] = shared
-        return new_args, new_kwargs
+        shared = [self.share(value, index) for index, value in enumerate(args or ())]
+        if any(new is not old for new, old in zip(shared, args or (), strict=True)):
+            args = shared
+        named = {name: self.share(value, name) for name, value in (kwargs or {}).items()}
+        if any(new is not kwargs[name] for name, new in named.items()):
+            kwargs = named
+        return args, kwargs
 
     def share(self, value: Any, argument: int | str = 0) -> Any:
         """What to send for a task's argument: a ref (or an inline skeleton) if it is large
@@ -157,11 +148,9 @@ class Scope:
         return ref  # type: ignore[no-any-return]
 
     def verified(self, value: Any, sent: Any, label: str, task: bool = False) -> Any:
-        """What to send instead of ``sent`` once verify has compared what a receiver gets of
-        it with what it gets of ``value`` by value (see ``refshare._verify``): ``sent``, or
-        the by-value copy; a task's argument (``task``) checked on its worker under
-        ``verify="worker"``. A value kept as its own pickle that does not arrive so pickles
-        differently: from now on it goes by value."""
+        """``sent``, or the by-value copy, as verify finds what a receiver gets of both (see
+        ``refshare._verify``; ``task``: checked on the worker under ``verify="worker"``). A
+        mismatch of a value kept as its own pickle: it pickles differently, by value now."""
         on_worker = task and self.verify == "worker"
         verdict = verifier.check(value, sent, self.site, label, self.session, on_worker)
         self.ledger.verdict(verdict.outcome, verdict.reason)
@@ -349,16 +338,9 @@ class Scope:
         self.store.close()
 
     def ready(self) -> bool:
-        """Whether Ray is running. Refs live only in the session that made them: in a new
-        session (Ray restarted inside this scope) the scope forgets what it kept, and the
-        cache empties itself."""
+        """Whether Ray is running; bound to its session (see ``CallStore.bind``)."""
         session = current_session()
-        if session is None:
-            return False
-        if session != self.session:
-            if self.session is not None:
-                self.store.forget()
-            self.session = self.store.session = session
-            if self.store.cache is not None:
-                self.store.cache.bind_session(session)
-        return True
+        if session is not None:
+            self.store.bind(session)
+            self.session = session
+        return session is not None

@@ -272,6 +272,16 @@ class CallStore:
         kept = tuple(self.local.items())  # taken at once: other threads may be sending
         return any(cache is None or not cache.keeps(key, ref) for key, ref in kept)
 
+    def bind(self, session: tuple[str, str]) -> None:
+        """Refs live only in the session that made them: in a new one (Ray restarted inside
+        this call) the call forgets what it kept, and the cache empties itself."""
+        if session != self.session:
+            if self.session is not None:
+                self.forget()
+            self.session = session
+            if self.cache is not None:
+                self.cache.bind_session(session)
+
     def forget(self) -> None:
         """Let go of everything this call kept, and of what it worked out about its values."""
         self.local.clear()
