@@ -291,8 +291,14 @@ def assert_same_form(got: tuple[Any, Any], want: tuple[Any, Any], what: str) -> 
     if want[1] is None:
         assert got[1] is None, what
         return
-    (text, shape, order, index), (want_text, want_shape, want_order, want_index) = got[1], want[1]
-    assert (text, shape, order) == (want_text, want_shape, want_order), what
+    (
+        (text, shape, order, index, dtype),
+        (want_text, want_shape, want_order, want_index, want_dtype),
+    ) = (
+        got[1],
+        want[1],
+    )
+    assert (text, shape, order, dtype) == (want_text, want_shape, want_order, want_dtype), what
     if want_index is None:
         assert index is None, what
     else:
