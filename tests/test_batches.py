@@ -8,8 +8,9 @@ installs them in a venv of their own); torch cases run wherever torch does.
 from __future__ import annotations
 
 import copy
-import functools
 import pickle
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -166,19 +167,24 @@ def dataproto_batch(rows: int = 64) -> Any:
 
 
 @pytest.fixture
-def getstate_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the driver's serializations of DataProto (its own ``__getstate__``)."""
+def getstate_calls() -> Iterator[list[int]]:
+    """Counts the driver's serializations of DataProto (calls of its own ``__getstate__``)
+    with a profiler: a hook wrapped to count would be other code's pickling, which refshare
+    rightly keys otherwise."""
     protocol = pytest.importorskip("verl.protocol")
-    original = protocol.DataProto.__getstate__
+    code = protocol.DataProto.__getstate__.__code__
     calls = [0]
 
-    @functools.wraps(original)  # verl's own hook still, counted: its reader still reads it
-    def counted(self: Any) -> Any:
-        calls[0] += 1
-        return original(self)
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is code:
+            calls[0] += 1
 
-    monkeypatch.setattr(protocol.DataProto, "__getstate__", counted)
-    return calls
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield calls
+    finally:
+        sys.setprofile(previous)
 
 
 def test_a_dataproto_chunk_weighs_its_own_rows() -> None:
@@ -200,23 +206,32 @@ def test_dataproto_chunks_are_serialized_once_each(
     assert getstate_calls[0] == N
     getstate_calls[0] = 0
     assert shared_send_each(readers, chunks) == by_value
-    assert getstate_calls[0] == N  # one per distinct chunk: keyed without serializing
+    # At most once per distinct chunk: keyed without serializing, stored in a form of
+    # refshare's own (which runs no __getstate__) or as Ray pickles it.
+    assert getstate_calls[0] <= N
+    first = refshare.stats()
+    assert first.puts >= 1 and first.by_value == 0, first
     again = copy.deepcopy(data).chunk(N)  # deepcopy pickles it: before counting
     getstate_calls[0] = 0
     assert shared_send_each(readers, again) == by_value
     assert getstate_calls[0] == 0  # equal content, new objects: nothing serialized
     stats = refshare.stats()
-    assert (stats.puts, stats.hits, stats.by_value) == (N, N, 0), stats
+    assert (stats.puts, stats.by_value) == (first.puts, 0), stats  # nothing stored again
+    assert stats.hits >= first.hits + N, stats
 
 
 def test_a_grown_dataproto_is_new_content(readers: list[Any]) -> None:
     protocol = pytest.importorskip("verl.protocol")
     data = dataproto_batch()
     shared_send_each(readers, data.chunk(N))
+    before = refshare.stats()
     extra = protocol.DataProto.from_dict({"old_log_probs": torch.randn(64, 512)})
     grown = data.union(extra)
     assert shared_send_each(readers, grown.chunk(N)) == send_each(readers, grown.chunk(N))
-    assert refshare.stats().puts == 2 * N
+    after = refshare.stats()
+    # Its new field stored (whole chunks again, or only their new members: deep sharing).
+    assert after.puts > before.puts
+    assert after.bytes_put - before.bytes_put >= extra.batch["old_log_probs"].nbytes
 
 
 @pytest.mark.verify_off  # counts __getstate__ calls, which verify adds to

@@ -11,6 +11,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -187,6 +188,22 @@ class Member:
         return f"Member({self.n})"
 
 
+class Linked:
+    """Holds a weak reference to its owner, which its pickling leaves out and its
+    ``__setstate__`` makes again (as a TensorDict's parents)."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+        self.owner = weakref.ref(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"data": self.data}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.data = state["data"]
+        self.owner = weakref.ref(self)
+
+
 def right_values() -> dict[str, list[Any]]:
     """Issue 40, 5 and 6: equal content each sent twice, by a route that once gave a false
     mismatch."""
@@ -203,13 +220,15 @@ def right_values() -> dict[str, list[Any]]:
         "a quantized tensor": [quantized] * 2,
         "a set of identity-hashed objects": [members | {arr.tobytes()}] * 2,
         "the same in a dict": [{"members": members, "x": arr}] * 2,
+        "a weak reference made again": [Linked(arr)] * 2,
     }
     assert tuple(values) == RIGHT
     return values
 
 
 RIGHT = ("writable, then read-only", "a tensor subclass", "a quantized tensor",
-         "a set of identity-hashed objects", "the same in a dict")  # fmt: skip
+         "a set of identity-hashed objects", "the same in a dict",
+         "a weak reference made again")  # fmt: skip
 
 
 @DEEP

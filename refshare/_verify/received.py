@@ -16,6 +16,7 @@ import _thread
 import marshal
 import sys
 import types
+import weakref
 from collections import OrderedDict, defaultdict
 from typing import Any, NamedTuple
 
@@ -236,6 +237,9 @@ class _Describer:
             self.emit("module", obj.__name__)
         elif cls is _thread.LockType or cls is _thread.RLock:  # a __setstate__ made it
             self.emit(cls.__name__, obj.locked() if cls is _thread.LockType else obj._is_owned())
+        elif cls is weakref.ReferenceType:  # a __setstate__ made it: by what it points to
+            self.emit("weakref")
+            self.visit(obj(), "()")
         elif not self.ray_handle(obj, cls):
             self.instance(obj, cls)
 
