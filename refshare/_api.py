@@ -11,7 +11,7 @@ from typing import Any, TypeVar, cast, overload
 import ray
 import wrapt
 
-from . import _env
+from . import _env, _ledger
 from ._cache import audit_cache, process_cache
 from ._context import Frame, current_scope, enter, innermost, leave
 from ._keys.pickler import forget_pickling
@@ -73,6 +73,8 @@ def _leave(frame: Frame) -> None:
     leave(frame)
     if isinstance(frame.scope, Scope):
         frame.scope.close()
+    for hook in _ledger.on_call_end:
+        hook()
 
 
 class sharing:

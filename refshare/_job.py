@@ -42,8 +42,9 @@ def report_directory() -> str | None:
 
 
 def process_role() -> str:
-    """``driver``, the actor's class name, the task's name, or ``process`` outside Ray (read
-    on the thread that made the first tally, which runs the task)."""
+    """``driver``, the actor's class name, the task's name (``task`` on a Ray that cannot
+    say it, as 2.40), or ``process`` outside Ray (read on the thread that made the first
+    tally, which runs the task)."""
     try:
         import ray
 
@@ -54,7 +55,8 @@ def process_role() -> str:
         if context.get_actor_id():
             descriptor = context.current_actor._ray_actor_creation_function_descriptor
             return str(descriptor.class_name) or "actor"
-        return str(context.get_task_name() or "task")
+        task_name = getattr(context, "get_task_name", None)
+        return str((task_name and task_name()) or "task")
     except Exception:  # a Ray without these: the file still names host and pid
         return "process"
 
@@ -96,18 +98,18 @@ class Writer:
             "rows": rows,
         }
 
-    def look(self, *, final: bool = False) -> bool:
+    def look(self, *, final: bool = False, now: bool = False) -> bool:
         """Write the rows if they changed since the last write and have settled (the same as
-        at the last look), or a second has passed, or this is the exit's write. Returns
-        whether it wrote."""
+        at the last look), or a second has passed, or this is the exit's write (``final``)
+        or a call's end (``now``). Returns whether it wrote."""
         if os.getpid() != self.pid:
             return False  # a forked child: the file is its parent's
         with self._lock:
             rows = [row_fields(row) for row in report().rows]
             settled, self._seen = rows == self._seen, rows
-            now = time.monotonic()
+            clock = time.monotonic()
             if rows == self._written or not (
-                final or settled or now - self._written_at >= MIN_GAP_S
+                final or now or settled or clock - self._written_at >= MIN_GAP_S
             ):
                 return False
             try:
@@ -120,7 +122,7 @@ class Writer:
                     self._warned = True
                     logger.warning("refshare: cannot write the report %r: %s", self.path, error)
                 return False
-            self._written, self._written_at = rows, now
+            self._written, self._written_at = rows, clock
             return True
 
     def run(self) -> None:
@@ -136,6 +138,15 @@ class Writer:
             self.look(final=True)
         except Exception:
             logger.debug("refshare: report writer at exit", exc_info=True)
+
+    def call_ended(self) -> None:
+        """A call has ended in this Ray worker: its rows written now. Ray ends a released
+        actor's process, or a task's worker at shutdown, without waiting for the writer's
+        next look (on 2.40 at once)."""
+        try:
+            self.look(now=True)
+        except Exception:
+            logger.debug("refshare: report writer at a call's end", exc_info=True)
 
 
 _writer: Writer | None = None
@@ -153,6 +164,8 @@ def start_writer() -> None:
         _writer = Writer(directory, process_role())
         threading.Thread(target=_writer.run, name="refshare-report", daemon=True).start()
         atexit.register(_writer.final)
+        if _writer.role != "driver":
+            _ledger.on_call_end.append(_writer.call_ended)
     except Exception as error:
         logger.warning("refshare: %s=%r: no report written: %s", _env.REPORT, directory, error)
 

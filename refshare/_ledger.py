@@ -240,6 +240,9 @@ _retired: list[float] = [0] * len(FIELDS)
 _metrics: Callable[[tuple[tuple[int, float], ...]], None] | None = None
 #: Called when the first tally is made (see ``_report``: the report written at exit).
 on_first_tally: list[Callable[[], None]] = []
+#: Called when a decorated call or ``sharing`` block ends (see ``_job``: a Ray worker's
+#: process writes its report then, as Ray may end it before the writer looks again).
+on_call_end: list[Callable[[], None]] = []
 #: Called before the tallies are read, to count what is on its way (the verdicts of
 #: ``verify="worker"``, reported by the workers: see ``_verify``).
 before_read: list[Callable[[], None]] = []

@@ -84,7 +84,7 @@ def scope_budget(session: tuple[str, str] | None = None) -> int:
 class StoreGauge:
     """How full the local object store is, read from Ray now and then, estimated between."""
 
-    __slots__ = ("_lock", "_read_at", "_session", "_since", "_used")
+    __slots__ = ("_blind", "_lock", "_read_at", "_session", "_since", "_used")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -92,6 +92,9 @@ class StoreGauge:
         self._read_at = -1.0
         self._used = 0  #: bytes the store held at the last reading
         self._since = 0  #: bytes refshare put since
+        #: Ray did not say at the last reading (a Ray without ``log_plasma_usage``, 2.40):
+        #: then nothing is estimated, and the budgets alone bound what refshare keeps.
+        self._blind = False
 
     def over(self, nbytes: int) -> int:
         """By how many bytes the local store would pass :data:`YIELD_FILL` with ``nbytes``
@@ -105,15 +108,16 @@ class StoreGauge:
             session = current_session()
             if session != self._session:
                 self._session, self._read_at, self._used, self._since = session, -1.0, 0, 0
+                self._blind = False
             estimate = self._used + self._since + nbytes
             since_read = now - self._read_at
             near = estimate > store * NEAR_FILL
             if since_read > READ_EVERY or (near and since_read > READ_AT_MOST_EVERY):
                 used = local_store_used()
-                if used is not None:
-                    self._used, self._since, self._read_at = used, 0, now
-                    estimate = used + nbytes
-            return max(0, estimate - limit)
+                self._blind = used is None
+                self._used, self._since, self._read_at = used or 0, 0, now
+                estimate = self._used + nbytes
+            return 0 if self._blind else max(0, estimate - limit)
 
     def settle(self, nbytes: int) -> int:
         """Read the store until what refshare just let go of has left it: the count has

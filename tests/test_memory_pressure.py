@@ -28,6 +28,21 @@ BUDGET = 50 * MiB
 ITEM = 16 * MiB
 
 
+def _store_readable() -> bool:
+    from ray._raylet import CoreWorker
+
+    return hasattr(CoreWorker, "log_plasma_usage")
+
+
+#: Cases of letting go for another scope or for the program: they need Ray to say how full
+#: its store is.
+reads_the_store = pytest.mark.skipif(
+    not _store_readable(),
+    reason="this Ray's core worker cannot say how full the store is (no log_plasma_usage, "
+    "as on 2.40): refshare's budgets alone bound what it keeps",
+)
+
+
 @pytest.fixture(scope="module")
 def group() -> Iterator[list[Any]]:
     """Two workers on a local Ray whose object store is only 200 MiB."""
@@ -186,6 +201,7 @@ def result_of(data: Any) -> Any:
     return np.full(MiB, int(data[0]), dtype=np.int64)
 
 
+@reads_the_store
 @pytest.mark.verify_off
 def test_a_loop_whose_program_holds_a_third_of_the_store_spills_no_more_than_by_value(
     group: list[Any],
@@ -233,6 +249,7 @@ def settled(condition: Any, timeout: float = 10.0) -> bool:
     return True
 
 
+@reads_the_store
 @pytest.mark.verify_off
 def test_a_scope_lets_go_of_what_another_idle_scope_keeps(group: list[Any]) -> None:
     """Two trainers in one driver: one sends a burst inside its block and then waits, the
@@ -265,6 +282,7 @@ def test_a_scope_lets_go_of_what_another_idle_scope_keeps(group: list[Any]) -> N
     assert settled(lambda: in_use() < ITEM)
 
 
+@reads_the_store
 @pytest.mark.verify_off
 @pytest.mark.parametrize("how", ["asyncio task", "thread pool"])
 def test_what_a_scope_keeps_ends_with_it_whoever_still_runs_in_it(
@@ -294,6 +312,7 @@ def test_what_a_scope_keeps_ends_with_it_whoever_still_runs_in_it(
         asyncio.run(block())
 
 
+@reads_the_store
 @pytest.mark.verify_off
 def test_an_audit_lets_go_under_pressure_as_sharing_would(group: list[Any]) -> None:
     """The program holds 130 MiB of a 200 MiB store, past the mark: sharing lets go of what

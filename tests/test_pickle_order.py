@@ -72,7 +72,10 @@ class _Seen(collections.ChainMap):  # type: ignore[type-arg]
 
 
 #: Packages whose code may run while Ray pickles anything: Python's, and Ray's own.
-_PYTHON = TRUSTED_PICKLING | sys.stdlib_module_names | {"refshare"}
+#: Code that runs in the interpreter while a value is pickled and is not its pickling: the
+#: standard library, refshare, and the test tools' own hooks (hypothesis's, which a
+#: garbage collection during the dump can call).
+_PYTHON = TRUSTED_PICKLING | sys.stdlib_module_names | {"refshare", "hypothesis", "_pytest"}
 
 
 def pickled_by_ray(value: Any) -> tuple[str, set[str]]:
