@@ -55,7 +55,7 @@ def test_step_benchmark_smoke(case: str, tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    # Under REFSHARE_VERIFY=1 (CI runs the scripts so once), no step finds a mismatch.
+    # Run under REFSHARE_VERIFY=1, no step finds a mismatch.
     assert "refshare verify:" not in done.stderr, done.stderr[-3000:]
     written = sorted(p.name for p in tmp_path.iterdir())
     assert any(name.endswith(".md") for name in written), written
