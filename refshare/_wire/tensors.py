@@ -107,20 +107,28 @@ def _serializer_of_ours() -> bool:
     them apart: with that reducer each task's tensors view its own object's memory,
     writably, so one ref shared between tasks would let one worker's in-place write reach
     the others. A serializer the program registered for tensors is left to do its work."""
+    reducer = _tensor_reducer()
+    return reducer is None or _deserializer_of(reducer) is not None
+
+
+def _tensor_reducer() -> Any:
+    """What Ray's pickler's dispatch table holds for ``torch.Tensor`` now, or ``None``."""
     from ray import cloudpickle
 
-    reducer = cloudpickle.CloudPickler.dispatch.get(sys.modules["torch"].Tensor)
-    return reducer is None or _zero_copy_deserializer() is not None
+    return cloudpickle.CloudPickler.dispatch.get(sys.modules["torch"].Tensor)
 
 
 def _zero_copy_deserializer() -> Any:
     """Ray's zero-copy tensor deserializer while its reducer is the one registered for
     tensors; else ``None`` (tensors then go through torch's pickling, or the program's)."""
-    from ray import cloudpickle
+    reducer = _tensor_reducer()
+    return None if reducer is None else _deserializer_of(reducer)
 
-    reducer = cloudpickle.CloudPickler.dispatch.get(sys.modules["torch"].Tensor)
-    if reducer is None:
-        return None
+
+@functools.lru_cache(maxsize=8)
+def _deserializer_of(reducer: Any) -> Any:
+    """The deserializer of ``reducer`` if it is Ray's zero-copy reducer, else ``None``:
+    worked out once per reducer, as each tensor asks."""
     try:
         from ray._private import tensor_serialization_utils as zero_copy
     except ImportError:
