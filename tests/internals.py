@@ -25,7 +25,7 @@ from refshare._job_report import JobReport, read_job  # a job's files read back 
 from refshare._keys import identify  # keying with a memo of one's own, as a call does
 from refshare._keys import leaves as leaf_digests  # which hash ran (by name)
 from refshare._keys.pickler import SERIALIZE_OBJECT_ARRAYS_FROM, _digest_array_list
-from refshare._keys.sizes import SCALAR_BYTES, _ndarray_size, measure
+from refshare._keys.sizes import SCALAR_BYTES, SIZE_VISIT_BUDGET, _ndarray_size, measure
 from refshare._keys.stamps import _seen as digests_kept_across_calls
 from refshare._keys.stamps import (
     array_trust,
@@ -46,6 +46,7 @@ __all__ = [
     "PROBE_EVERY",
     "SCALAR_BYTES",
     "SERIALIZE_OBJECT_ARRAYS_FROM",
+    "SIZE_VISIT_BUDGET",
     "Admission",
     "Chain",
     "Framework",
