@@ -39,9 +39,18 @@ TARGET_N = 4
 TARGETS: tuple[tuple[str, str, float], ...] = (
     ("by value / repeat", "min", 3.5),
     ("per-call put / repeat", "min", 1.5),
-    ("repeat / ideal", "max", 1.5),
-    ("first / per-call put", "max", 1.15),
+    ("repeat / (ideal + one read)", "max", 1.15),
+    ("first / (per-call put + one read)", "max", 1.15),
 )
+#: The targets measured against a strategy plus one read of the payload: refshare must read
+#: a writeable argument once a call to know it is unchanged (its hash), which neither the
+#: ideal (a ref put beforehand) nor a hand-written put does. One read is the payload's bare
+#: single-thread xxh3_128, timed in the same run: (label, numerator, denominator).
+READ_RATIOS: tuple[tuple[str, str, str], ...] = (
+    ("repeat / (ideal + one read)", "refshare_repeat", "ideal"),
+    ("first / (per-call put + one read)", "refshare_first", "per_call_put"),
+)
+REUSE_TARGET = 1.5  # reuse / ideal: no read, the stamps and bookkeeping only
 FINGERPRINT_TARGET = 0.85  # fingerprint speed relative to bare single-thread xxh3_128
 SMALL_ARGS_TARGET = 1.05  # decorated / undecorated fan-out time with small arguments
 
@@ -95,9 +104,13 @@ def _target(ratio: str, value: float | None, kind: str, bound: float) -> dict[st
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """The target checks and crossovers, as stored in the JSON and printed in the summary."""
     target_case = find_case(results, TARGET_PAYLOAD, TARGET_N)
-    ratios = case_ratios(target_case["times"]) if target_case else {}
-    targets = [_target(label, ratios.get(label), kind, bound) for label, kind, bound in TARGETS]
     fingerprint = next((y for y in results["yardsticks"] if y["payload"] == TARGET_PAYLOAD), None)
+    ratios = case_ratios(target_case["times"]) if target_case else {}
+    if target_case and fingerprint:
+        times, read = target_case["times"], median(fingerprint["times"]["xxh3_128"])
+        for label, a, b in READ_RATIOS:
+            ratios[label] = median(times[a]) / (median(times[b]) + read)
+    targets = [_target(label, ratios.get(label), kind, bound) for label, kind, bound in TARGETS]
     fp_speed = (
         median(fingerprint["times"]["xxh3_128"]) / median(fingerprint["times"]["fingerprint"])
         if fingerprint
@@ -105,11 +118,10 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     )
     small = results["small_args"]["times"]
     small_ratio = median(small["decorated"]["fan_out"]) / median(small["undecorated"]["fan_out"])
-    repeat_bound = TARGETS[2][2]
     others = [
         _target("fingerprint speed / bare xxh3_128", fp_speed, "min", FINGERPRINT_TARGET),
         _target("reuse / ideal (reuse_fingerprints=True, 64 MiB, N=4)",
-                ratios.get("reuse / ideal"), "max", repeat_bound),
+                ratios.get("reuse / ideal"), "max", REUSE_TARGET),
         _target("small args: decorated / undecorated fan-out", small_ratio, "max",
                 SMALL_ARGS_TARGET),
     ]  # fmt: skip

@@ -26,13 +26,22 @@ STRATEGIES = [
     "refshare reuse",
     "ideal",
 ]
-#: The project's four targets, in the summary; the times table adds reuse / ideal.
-RATIOS = ["by value / repeat", "per-call put / repeat", "repeat / ideal", "first / per-call put"]
+#: The project's four targets, in the summary: the last two against the strategy plus one
+#: read of the payload (refshare reads a writeable argument once a call).
+RATIOS = [
+    "by value / repeat",
+    "per-call put / repeat",
+    "repeat / (ideal + one read)",
+    "first / (per-call put + one read)",
+]
 TIMES_HEADER = [
     "payload",
     "N",
     *STRATEGIES,
-    *RATIOS,
+    "by value / repeat",
+    "per-call put / repeat",
+    "repeat / ideal",
+    "first / per-call put",
     "reuse / ideal",
     "store in flight: by value",
     "store in flight: refshare repeat",
