@@ -155,6 +155,33 @@ def test_patch_methods_round_trip(members: list[Any]) -> None:
     assert count == 3 * N
 
 
+def test_patching_again_with_other_options_keeps_the_first_and_says_so(
+    members: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A method already shared keeps its options when asked again with others (a program's
+    ``enable()`` under ``refshare run --audit``: the run's audit stays an audit), and the
+    second call says which it kept; asked again with the same ones, it says nothing."""
+
+    class Audited(Group):
+        pass
+
+    refshare.patch_methods(Audited, "run", audit=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="refshare"):
+            assert refshare.patch_methods(Audited, "run", audit=True)  # the same: silent
+            assert not caplog.records
+            assert refshare.patch_methods(Audited, "run")
+        (record,) = caplog.records
+        assert "Audited.run is already shared with audit=True" in record.getMessage()
+        assert "not audit=False" in record.getMessage()
+        refshare.reset_report()
+        Audited(members).run(chunks())
+        assert [row.audit for row in refshare.report().rows] == [True]
+        assert refshare.stats().puts == 0  # an audit stores nothing
+    finally:
+        refshare.unpatch_methods(Audited, "run")
+
+
 @pytest.mark.verify_off  # counts serializations, which verify adds to
 def test_patch_methods_under_another_wrapper(members: list[Any]) -> None:
     class Mine(Group):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import threading
 import types
 from typing import Any, NamedTuple
@@ -20,6 +22,7 @@ class _Patched(NamedTuple):
 #: (owner, name) -> what refshare replaced there.
 _patched: dict[tuple[Any, str], _Patched] = {}
 _lock = threading.Lock()
+logger = logging.getLogger("refshare")
 
 
 def _label(owner: Any, name: str) -> str:
@@ -71,6 +74,7 @@ def patch_methods(owner: type | types.ModuleType, *names: str, **options: Any) -
         for name, original, _stored_on in found:
             entry = _patched.get((owner, name))
             if entry is not None and in_chain(owner.__dict__.get(name), entry.wrapper):
+                _kept(owner, name, entry.wrapper._self_options, resolved)
                 wrapped.append(_label(owner, name))
                 continue
             wrapper = SharedFunction(original, resolved)
@@ -79,6 +83,24 @@ def patch_methods(owner: type | types.ModuleType, *names: str, **options: Any) -
             _patched[(owner, name)] = _Patched(kept, wrapper)
             wrapped.append(_label(owner, name))
     return wrapped
+
+
+def _kept(owner: Any, name: str, kept: Options, asked: Options) -> None:
+    """Warn that a method already shared keeps its options where others were asked for (an
+    ``enable()`` in a program that ``refshare run`` already turned on, say)."""
+    differ = [
+        f.name
+        for f in dataclasses.fields(Options)
+        if getattr(kept, f.name) != getattr(asked, f.name)
+    ]
+    if differ:
+        logger.warning(
+            "refshare: %s is already shared with %s; kept them, not %s (unpatch or "
+            "disable it first to share it with other options)",
+            _label(owner, name),
+            ", ".join(f"{n}={getattr(kept, n)!r}" for n in differ),
+            ", ".join(f"{n}={getattr(asked, n)!r}" for n in differ),
+        )
 
 
 #: Stands for "the method was inherited": unpatching deletes refshare's attribute.
