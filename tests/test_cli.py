@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import job_kit
 import pytest
 from conftest import start_cluster
+from helpers import run_python
 from internals import FRAMEWORKS, JobReport, read_job
 from ray.runtime_context import RuntimeContext
 
@@ -59,15 +60,7 @@ def refshare(
     env = environment()
     if path is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(path), env["PYTHONPATH"]])
-    return subprocess.run(
-        [sys.executable, "-m", "refshare", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_python("-m", "refshare", *args, timeout=timeout, env=env)
 
 
 class Run(NamedTuple):
