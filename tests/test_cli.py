@@ -121,6 +121,7 @@ def rows_by_role(report: JobReport) -> dict[str, dict[str, Any]]:
     return found
 
 
+@pytest.mark.slow  # the runs: three jobs, each a Ray of its own or on a cluster
 @needs_counters
 def test_run_shares_in_the_driver_a_controller_actor_and_a_task(
     runs: dict[str, Future[Run]],
@@ -140,6 +141,7 @@ def test_run_shares_in_the_driver_a_controller_actor_and_a_task(
     assert "(sharing): 4 processes" in run.done.stderr
 
 
+@pytest.mark.slow
 @needs_counters
 def test_run_audit_sends_by_value_and_reports_what_sharing_would_save(
     runs: dict[str, Future[Run]],
@@ -157,6 +159,7 @@ def test_run_audit_sends_by_value_and_reports_what_sharing_would_save(
     assert "(audit)" in audit.done.stderr and "nothing was changed" in audit.done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.verify_off  # counts the bytes the job stores, which verify's copies add to
 @needs_counters
 def test_run_on_a_running_cluster_sets_up_its_workers_through_the_runtime_env(
@@ -177,6 +180,7 @@ def test_run_on_a_running_cluster_sets_up_its_workers_through_the_runtime_env(
     assert distinct <= run.printed["created"] <= distinct + SLACK_BYTES, run.printed
 
 
+@pytest.mark.slow
 @needs_counters
 def test_report_prints_the_job_and_its_numbers(
     runs: dict[str, Future[Run]], tmp_path: Path
