@@ -235,7 +235,7 @@ class _Describer:
             t.is_neg(),
             None if t.is_inference() else t._version,
         )
-        body = (_digest(bytes(storage)), _digest(elements.numpy().tobytes()), shared)
+        body = (_digest(storage_bytes(storage)), _digest(elements.numpy().tobytes()), shared)
         return (*head, layout, body, state, tensor_state(t))
 
     def memory_sharing(self) -> list[tuple[int, int]]:
@@ -249,6 +249,17 @@ class _Describer:
             if np.may_share_memory(a, b) and np.shares_memory(a, b, max_work=10**6):
                 found.append((i, j))
         return found
+
+
+def storage_bytes(storage: Any) -> bytes:
+    """``bytes(storage)``, read in one copy: ``bytes()`` iterates a storage one byte a Python
+    call (seconds a MiB). A storage off the CPU is read as ``bytes()`` reads it."""
+    import torch
+
+    if storage.device.type != "cpu":
+        return bytes(storage)
+    whole: bytes = torch.empty(0, dtype=torch.uint8).set_(storage).numpy().tobytes()
+    return whole
 
 
 @functools.cache

@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
+
+#: The repository's root: the examples and benchmarks run from there.
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_python(
+    *command: str, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python COMMAND...`` from the repository's root, its output captured."""
+    return subprocess.run(
+        [sys.executable, *command],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def run_own_ray(*command: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """:func:`run_python` on a new local Ray of its own (``RAY_ADDRESS=local``: even where
+    one from ``ray start`` runs nearby)."""
+    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
+    return run_python(*command, timeout=timeout, env=env)
 
 
 class Payload:

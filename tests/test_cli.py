@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import job_kit
 import pytest
 from conftest import start_cluster
+from helpers import run_python
 from internals import FRAMEWORKS, JobReport, read_job
 from ray.runtime_context import RuntimeContext
 
@@ -59,15 +60,7 @@ def refshare(
     env = environment()
     if path is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(path), env["PYTHONPATH"]])
-    return subprocess.run(
-        [sys.executable, "-m", "refshare", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_python("-m", "refshare", *args, timeout=timeout, env=env)
 
 
 class Run(NamedTuple):
@@ -128,6 +121,7 @@ def rows_by_role(report: JobReport) -> dict[str, dict[str, Any]]:
     return found
 
 
+@pytest.mark.slow  # the runs: three jobs, each a Ray of its own or on a cluster
 @needs_counters
 def test_run_shares_in_the_driver_a_controller_actor_and_a_task(
     runs: dict[str, Future[Run]],
@@ -147,6 +141,7 @@ def test_run_shares_in_the_driver_a_controller_actor_and_a_task(
     assert "(sharing): 4 processes" in run.done.stderr
 
 
+@pytest.mark.slow
 @needs_counters
 def test_run_audit_sends_by_value_and_reports_what_sharing_would_save(
     runs: dict[str, Future[Run]],
@@ -164,6 +159,7 @@ def test_run_audit_sends_by_value_and_reports_what_sharing_would_save(
     assert "(audit)" in audit.done.stderr and "nothing was changed" in audit.done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.verify_off  # counts the bytes the job stores, which verify's copies add to
 @needs_counters
 def test_run_on_a_running_cluster_sets_up_its_workers_through_the_runtime_env(
@@ -184,6 +180,7 @@ def test_run_on_a_running_cluster_sets_up_its_workers_through_the_runtime_env(
     assert distinct <= run.printed["created"] <= distinct + SLACK_BYTES, run.printed
 
 
+@pytest.mark.slow
 @needs_counters
 def test_report_prints_the_job_and_its_numbers(
     runs: dict[str, Future[Run]], tmp_path: Path

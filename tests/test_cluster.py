@@ -22,6 +22,9 @@ import refshare
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _cluster_counters as counters
 
+#: Several nodes on this machine: heavy, left to `pytest -m slow` (.ci/run runs it).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def two_nodes() -> Iterator[Cluster]:

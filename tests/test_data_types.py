@@ -504,6 +504,7 @@ NO_TORCH_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a Ray of its own, in a subprocess
 def test_sharing_numpy_does_not_import_torch() -> None:
     env = {**os.environ, "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
     result = subprocess.run(

@@ -8,19 +8,18 @@ run a few at a time, started when the first test of this module asks for its res
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
-import sys
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import ROOT, run_own_ray
 
 pytestmark = pytest.mark.scripts
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES_DIR = ROOT / "examples"
 EXAMPLES = sorted(p for p in EXAMPLES_DIR.glob("*.py") if not p.name.startswith("_"))
 #: What ``print(refshare.stats())`` writes.
 STATS_LINE = re.compile(r"^Stats\(puts=\d+, hits=\d+, .*\)$", re.MULTILINE)
@@ -36,20 +35,9 @@ WITHOUT_TORCH = (
 
 
 def run_example(path: Path, *, without_torch: bool = False) -> subprocess.CompletedProcess[str]:
-    # RAY_ADDRESS=local: start a new Ray even if one from `ray start` is running nearby.
-    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
-    command = [sys.executable, str(path)]
     if without_torch:
-        command = [sys.executable, "-c", WITHOUT_TORCH, str(path)]
-    return subprocess.run(
-        command,
-        cwd=EXAMPLES_DIR.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
+        return run_own_ray("-c", WITHOUT_TORCH, str(path), timeout=TIMEOUT_S)
+    return run_own_ray(str(path), timeout=TIMEOUT_S)
 
 
 #: Examples that need torch, as the framework they mirror does (verl's DataProto pickles

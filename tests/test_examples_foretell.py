@@ -7,12 +7,10 @@ run. (At the default budget, each example checks that itself.)"""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_own_ray
 from test_examples import EXAMPLES_DIR, HAS_TORCH, NEED_TORCH
 
 pytestmark = [pytest.mark.scripts, pytest.mark.slow]
@@ -37,15 +35,8 @@ def test_the_audit_foretells_with_a_quarter_step_budget(name: str, tmp_path: Pat
     if name in NEED_TORCH and not HAS_TORCH:
         pytest.skip(f"{name} needs torch, as the framework it mirrors does: not installed")
     out = tmp_path / "foretold.json"
-    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
-    done = subprocess.run(
-        [sys.executable, str(KIT), str(BUDGETS[name]), str(out), str(EXAMPLES_DIR / name)],
-        cwd=EXAMPLES_DIR.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    done = run_own_ray(
+        str(KIT), str(BUDGETS[name]), str(out), str(EXAMPLES_DIR / name), timeout=300
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     found = json.loads(out.read_text())

@@ -318,6 +318,7 @@ def worker_is_up() -> bool:
     return True
 
 
+@pytest.mark.slow  # a Ray of its own, and the suite's started again
 def test_a_bad_refshare_enable_never_stops_a_worker(caplog: pytest.LogCaptureFixture) -> None:
     names = "VERL, verl;nemo_rl"  # a name in capitals, and a separator refshare does not use
     # Ray's worker_process_setup_hook is a job-level setting: a Ray of its own for it.

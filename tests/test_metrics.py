@@ -11,6 +11,9 @@ import textwrap
 
 import pytest
 
+#: A Ray of its own in a subprocess: left to `pytest -m slow` (.ci/run runs it).
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("prometheus_client", reason="Ray's metrics agent needs ray[default]")
 
 SCRIPT = textwrap.dedent(

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import ROOT, run_own_ray
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = ROOT / "benchmarks"
 CASES = {
     "rl_step dp": (["rl_step.py", "--smoke", "--backend", "mirror"], "rl_step"),
     "rl_step nd": (["rl_step.py", "--smoke", "--backend", "mirror", "--dispatch", "nd"], None),
@@ -44,16 +42,7 @@ def test_step_benchmark_smoke(case: str, tmp_path: Path) -> None:
     args, stem = CASES[case]
     if "tensordict" in args and importlib.util.find_spec("tensordict") is None:
         pytest.skip("the legacy trainer's flow sends TensorDicts: tensordict is not installed")
-    env = {**os.environ, "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / args[0]), *args[1:], "--out", str(tmp_path)],
-        cwd=BENCHMARKS.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    done = run_own_ray(str(BENCHMARKS / args[0]), *args[1:], "--out", str(tmp_path), timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     # Run under REFSHARE_VERIFY=1, no step finds a mismatch.
     assert "refshare verify:" not in done.stderr, done.stderr[-3000:]
