@@ -14,9 +14,10 @@ from ._admission import Admission, Splitting
 from ._pressure import default_budget
 from ._reuse import Reuse
 
-#: The share of its budget a cache keeps whatever the ages of its entries: a horizon learned
-#: in a loop's first step, before the loop came round once, is often shorter than the loop.
-AGE_FLOOR = 0.5
+#: How much a cache stores, as a share of its budget, before anything goes for its age: a
+#: horizon learned in a loop's first step, before the loop came round once, is often shorter
+#: than the loop (a batch sent again at once, then again next step).
+WARM_UP = 0.5
 
 
 def _check_max_bytes(max_bytes: object) -> int | None:
@@ -63,10 +64,19 @@ class RefCache:
     stored in one object (a ``group``) are evicted together: none of its bytes is freed
     while one of them is kept.
 
-    Within its budget, it keeps what is likely to be sent again: once it keeps more than
-    :data:`AGE_FLOOR` of its budget, an entry unused for longer than the reuse distances its
-    hits show is evicted on the next insert (see ``_reuse``). Below that floor, what it keeps
-    costs no one room: a put that would fill the store lets go of it first (``_pressure``).
+    Within its budget, it keeps what is likely to be sent again: an entry unused for longer
+    than the reuse distances its hits show is evicted on the next insert (see ``_reuse``),
+    so that what it holds follows the working set it sees (the weights sent every step, a
+    batch sent again by the step's calls), not its budget. Only while it warms up, until it
+    has stored :data:`WARM_UP` of its budget in all since it was new (or cleared, or bound
+    to a new session), does nothing go for its age: a loop's first step shows only reuses
+    within the step, shorter than the loop, and a step sent again (NeMo-RL's, OpenRLHF's)
+    would find its values gone. By the end of the warm-up, a loop that stores less than
+    that in a step has come round, and its hits (the weights, the batch sent again) have
+    shown how long it is; a longer loop's misses teach it (``_reuse``'s ghosts). The
+    warm-up is counted in bytes stored, not held: once past it, a cache holding little
+    still lets go of what has gone unused past its horizon. Whatever it keeps, a put that
+    would fill the store lets go of it first (``_pressure``).
 
     ``max_bytes=None`` means a quarter of the object store of the node the driver runs on,
     read when the cache is first used in a Ray session. Refs are valid only in the Ray
@@ -195,9 +205,9 @@ class RefCache:
 
     def _insert(self, new: list[tuple[Hashable, CacheEntry]]) -> bool:
         """Add ``new`` entries, evicting the others that have gone unused past their horizon
-        (see ``_reuse``; an object's entries once all of them have) if what the cache keeps
-        alive passes :data:`AGE_FLOOR` of the budget, then the least recently used while it
-        passes the budget; add none (and evict nothing) if they alone would not fit."""
+        (see ``_reuse``; an object's entries once all of them have) once the cache has stored
+        :data:`WARM_UP` of the budget in all, then the least recently used while it passes
+        the budget; add none (and evict nothing) if they alone would not fit."""
         budget = self.max_bytes
         objects = dict(kept for _, entry in new for kept in entry.keeps)
         if sum(objects.values()) > budget:
@@ -207,7 +217,7 @@ class RefCache:
             self._entries[key] = entry
             self._keep(entry)
         self._reuse.stored((key for key, _ in new), self._nbytes - before)
-        aged = self._reuse.expired() if self._nbytes > budget * AGE_FLOOR else ()
+        aged = self._reuse.expired() if self._reuse.clock > budget * WARM_UP else ()
         for key in aged:
             found = self._entries.get(key)
             mates = self._groups.get(found.group, ()) if found is not None else ()

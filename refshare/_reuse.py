@@ -65,6 +65,11 @@ class Reuse:
         #: replaced them.
         self._seen: list[tuple[int, int]] = []
 
+    @property
+    def clock(self) -> int:
+        """The bytes stored through the cache so far."""
+        return self._clock
+
     def stored(self, keys: Iterable[Hashable], nbytes: int) -> None:
         """``keys`` were stored, in objects weighing ``nbytes`` in all."""
         keys = list(keys)

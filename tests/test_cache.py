@@ -115,8 +115,8 @@ MiB = 1 << 20
 
 @pytest.fixture
 def horizon_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reuse horizon without the floor below which a cache keeps what it holds."""
-    monkeypatch.setattr(refshare._cache, "AGE_FLOOR", 0.0)
+    """The reuse horizon without the warm-up during which nothing goes for its age."""
+    monkeypatch.setattr(refshare._cache, "WARM_UP", 0.0)
 
 
 def _loop_step(cache: RefCache, step: int, reused: dict[str, int]) -> None:
@@ -213,15 +213,30 @@ def _first_steps(cache: RefCache) -> int:
     return puts
 
 
-def test_below_its_floor_a_loop_comes_round_before_anything_goes_for_its_age(
+def test_while_it_warms_up_a_loop_comes_round_before_anything_goes_for_its_age(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The horizon learned from the first step (the batch sent again at once) is shorter
-    than the step: without the floor, the batch goes before the step's last call, and the
-    second step puts it again; with it, a cache far from full keeps it."""
+    than the step: without the warm-up, the batch goes before the step's last call, and the
+    second step puts it again; with it, a cache that has stored little keeps it."""
     assert _first_steps(RefCache(max_bytes=1_000 * MiB)) == 0
-    monkeypatch.setattr(refshare._cache, "AGE_FLOOR", 0.0)
+    monkeypatch.setattr(refshare._cache, "WARM_UP", 0.0)
     assert _first_steps(RefCache(max_bytes=1_000 * MiB)) > 0
+
+
+def test_once_warm_what_it_holds_follows_the_loop_not_its_budget() -> None:
+    """With the default warm-up: a loop that sends the weights every step and new chunks,
+    each sent again within its step and never after. Once it has stored half its budget,
+    the cache holds about a step and a half, however large its budget; a cache that kept
+    everything below half its budget held half of it."""
+    for budget in (200 * MiB, 2_000 * MiB):
+        cache = RefCache(max_bytes=budget)
+        misses: dict[str, int] = {}
+        steps = budget // (30 * MiB) + 5  # past the warm-up: 30 MiB of chunks a step
+        for step in range(steps):
+            _loop_step(cache, step, misses)
+        assert misses == {"weights": 1}
+        assert cache.nbytes <= (1 + 1.5 * 30 + 30) * MiB, (budget // MiB, cache.nbytes // MiB)
 
 
 def test_without_reuse_the_budget_alone_bounds_it() -> None:
