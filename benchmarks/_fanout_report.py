@@ -128,7 +128,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     breakdown = None
     if target_case and fingerprint:
         breakdown = {
-            name: median(target_case["times"][name]) for name in ("refshare_repeat", "ideal")
+            name: median(target_case["times"][name])
+            for name in ("refshare_repeat", "ideal", "per_call_put")
         } | {name: median(fingerprint["times"][name]) for name in ("fingerprint", "xxh3_128")}
     workers = results["config"]["workers"]
     return {
@@ -188,6 +189,14 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             f"dispatch; refshare.fingerprint of the payload alone takes "
             f"{ms(b['fingerprint'])} ms (bare 1-thread xxh3_128: {ms(b['xxh3_128'])} ms).",
         ]
+        if "per_call_put" in b:  # (absent from runs recorded before it was kept)
+            floor = b["ideal"] + b["xxh3_128"]
+            lines += [
+                "",
+                f"A repeat at its floor (the ideal plus one read, {ms(floor)} ms) makes per-call "
+                f"put / repeat {b['per_call_put'] / floor:.2f}{TIMES} in this run: the most "
+                "that ratio can reach here, whatever refshare does.",
+            ]
     lines += ["", "Crossover (float64 sweep, medians; refshare with min_bytes=0):", ""]
     for strategy, per_n in summary["crossover"].items():
         for n, found in per_n.items():
