@@ -194,8 +194,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             lines += [
                 "",
                 f"A repeat at its floor (the ideal plus one read, {ms(floor)} ms) makes per-call "
-                f"put / repeat {b['per_call_put'] / floor:.2f}{TIMES} in this run: the most "
-                "that ratio can reach here, whatever refshare does.",
+                f"put / repeat {b['per_call_put'] / floor:.2f}{TIMES} in this run: where that "
+                "ratio sits when refshare adds nothing to the dispatch but the read it must make.",
             ]
     lines += ["", "Crossover (float64 sweep, medians; refshare with min_bytes=0):", ""]
     for strategy, per_n in summary["crossover"].items():
