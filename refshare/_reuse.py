@@ -4,19 +4,24 @@ A cache that keeps each entry until its budget is full holds, in a training loop
 a new rollout every step, a quarter of the object store of chunks never sent again. So a
 cache measures reuse distances: the bytes stored through it between two uses of an entry.
 
-Each entry that has been used again is kept for as long as its own longest reuse distance,
-with a margin: the weights sent once a step stay from step to step, while a rollout's chunk,
-sent again by the next calls of its step and then never, goes soon after the step's last
-call (a horizon common to all entries would keep every chunk for as long as the weights are
-kept: a step and a half of them). An entry not used again since it was stored is kept for as
-long as the longest first reuse seen lately (the distance from an entry's store to its
-first use again), with the same margin; a distance counts as seen lately until the cache has
-stored three times as much since (a pattern that repeats shows it again by then). Until a
-first reuse is seen, nothing is evicted for its age: the budget alone bounds the cache.
+What an entry used ``n`` times so far is likely to do next is what entries used ``n`` times
+did lately: an entry not used again since it was stored is kept for as long as the longest
+first reuse seen lately (the distance from an entry's store to its first use again), one
+used once for as long as the longest second reuse, and so on, with a margin; a distance
+counts as seen lately until the cache has stored three times as much since (a pattern that
+repeats shows it again by then). An entry used again is also kept for as long as its own
+longest reuse distance, with the margin. So the weights sent once a step stay from step to
+step; a rollout's chunk sent again by the next calls of its step and then never goes soon
+after the step's last call (a horizon common to all entries would keep every chunk for as
+long as the weights are kept: a step and a half of them); and NeMo-RL's batch, sent again at
+once (the reference's log-probs right after the policy's) and then after a longer gap
+(train), stays for the gap its predecessors showed. Until an entry's kind of next use has
+been seen lately, nothing says how long it may wait: one never used again is not evicted for
+its age (the budget alone bounds the cache), one used again is kept for its own distances.
 
 An evicted entry sent again is remembered (its key, a ghost), so that its miss still teaches
-the distance it would have needed: from then on it is kept that long, and if it had never
-been used again, entries not used again are kept that long too.
+the distance it would have needed: from then on it is kept that long, and entries used as
+many times as it had been are kept that long too.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
-#: An entry is kept for its longest reuse distance (or the longest first reuse seen lately)
+#: An entry is kept for its longest reuse distance (or the longest next reuse seen lately)
 #: times this, plus :data:`SLACK`.
 MARGIN = 1.5
 #: Bytes added to every horizon, so that what is weighed a few bytes apart (an audit's
@@ -45,25 +50,38 @@ def _kept_for(distance: float) -> float:
 class Reuse:
     """The reuse distances of one cache's entries (not thread-safe: the cache's lock)."""
 
-    __slots__ = ("_clock", "_expiries", "_fresh", "_ghosts", "_last", "_order", "_own", "_seen")
+    __slots__ = (
+        "_clock",
+        "_expiries",
+        "_fresh",
+        "_ghosts",
+        "_last",
+        "_order",
+        "_own",
+        "_seen",
+        "_uses",
+    )
 
     def __init__(self) -> None:
         self._clock = 0  #: bytes stored through the cache so far
         self._last: dict[Hashable, int] = {}  #: key -> the clock when it was last used
         #: key -> its longest reuse distance, for the keys used again since they were stored
         self._own: dict[Hashable, int] = {}
+        #: key -> how many times it was used again since it was stored (none: not yet)
+        self._uses: dict[Hashable, int] = {}
         #: The keys not used again since they were stored, the oldest first.
         self._fresh: OrderedDict[Hashable, None] = OrderedDict()
-        #: (when it expires, order, key) of the keys used again; an item is out of date once
-        #: its key was used since (see :meth:`expired`).
-        self._expiries: list[tuple[float, int, Hashable]] = []
+        #: (when it expires, order, key, its last use) of the keys used again; an item is out
+        #: of date once its key was used since (see :meth:`expired`).
+        self._expiries: list[tuple[float, int, Hashable, int]] = []
         self._order = itertools.count()
-        #: Evicted key -> its last use and its longest reuse distance (-1: never used again).
-        self._ghosts: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
-        #: First reuses seen lately as (distance, clock when seen), the distances decreasing:
-        #: each one seen later than the ones before it, and shorter, else it would have
-        #: replaced them.
-        self._seen: list[tuple[int, int]] = []
+        #: Evicted key -> its last use, its longest reuse distance (-1: never used again) and
+        #: its uses.
+        self._ghosts: OrderedDict[Hashable, tuple[int, int, int]] = OrderedDict()
+        #: n -> the n-th reuses seen lately as (distance, clock when seen), the distances
+        #: decreasing: each one seen later than the ones before it, and shorter, else it
+        #: would have replaced them.
+        self._seen: dict[int, list[tuple[int, int]]] = {}
 
     @property
     def clock(self) -> int:
@@ -76,11 +94,11 @@ class Reuse:
         for key in keys:
             ghost = self._ghosts.pop(key, None)
             if ghost is not None:  # evicted too early: the horizon it would have needed
-                last, own = ghost
+                last, own, uses = ghost
                 distance = self._clock - last
-                if own < 0:
-                    self._see(distance)
+                self._see(uses + 1, distance)
                 self._own[key] = max(own, distance)
+                self._uses[key] = uses + 1
         self._clock += nbytes
         for key in keys:
             self._last[key] = self._clock
@@ -96,25 +114,29 @@ class Reuse:
         if last is None:
             return
         distance = self._clock - last
-        own = self._own.get(key)
-        if own is None:  # its first reuse
+        uses = self._uses.get(key, 0) + 1
+        self._see(uses, distance)
+        if uses == 1:
             self._fresh.pop(key, None)
-            self._see(distance)
-        self._own[key] = distance if own is None else max(own, distance)
+        self._own[key] = max(self._own.get(key, 0), distance)
+        self._uses[key] = uses
         self._last[key] = self._clock
         self._expires(key)
 
     def _expires(self, key: Hashable) -> None:
-        """Note when ``key``, just used, goes past its own horizon."""
-        when = self._last[key] + _kept_for(self._own[key])
-        heapq.heappush(self._expiries, (when, next(self._order), key))
+        """Note when ``key``, just used, goes past its own horizon (:meth:`expired` looks
+        again then: the next reuses seen meanwhile may keep it longer)."""
+        last = self._last[key]
+        when = last + _kept_for(self._own[key])
+        heapq.heappush(self._expiries, (when, next(self._order), key, last))
 
     def evicted(self, key: Hashable) -> None:
         last = self._last.pop(key, None)
         own = self._own.pop(key, -1)
+        uses = self._uses.pop(key, 0)
         self._fresh.pop(key, None)
         if last is not None:
-            self._ghosts[key] = (last, own)
+            self._ghosts[key] = (last, own, uses)
             if len(self._ghosts) > MAX_GHOSTS:
                 self._ghosts.popitem(last=False)
 
@@ -122,7 +144,7 @@ class Reuse:
         """The keys gone unused past their horizon since the last call, each given once
         (the cache evicts them, or keeps them for another key of their object)."""
         found = []
-        horizon = self.horizon()
+        horizon = self.horizon(1)
         fresh, last = self._fresh, self._last
         while horizon is not None and fresh:
             key = next(iter(fresh))
@@ -132,10 +154,14 @@ class Reuse:
             found.append(key)
         expiries = self._expiries
         while expiries and expiries[0][0] < self._clock:
-            when, _, key = heapq.heappop(expiries)
-            own = self._own.get(key)
-            if own is not None and last[key] + _kept_for(own) == when:  # else used since
+            _, _, key, used = heapq.heappop(expiries)
+            if last.get(key) != used or key not in self._own:  # used since, or evicted
+                continue
+            until = used + self._kept(key)
+            if until < self._clock:
                 found.append(key)
+            else:  # the next reuses seen lately came later than its own
+                heapq.heappush(expiries, (until, next(self._order), key, used))
         return found
 
     def within(self, key: Hashable) -> bool:
@@ -145,20 +171,37 @@ class Reuse:
         last = self._last.get(key)
         if last is None:
             return False
-        own = self._own.get(key)
-        horizon = self.horizon() if own is None else _kept_for(own)
+        horizon = self._kept(key) if key in self._own else self.horizon(1)
         return horizon is not None and self._clock - last <= horizon
 
-    def horizon(self) -> float | None:
-        """How long an entry not used again since it was stored may go unused and still be
-        kept; ``None`` before any reuse."""
-        seen, clock = self._seen, self._clock
+    def _kept(self, key: Hashable) -> float:
+        """How long ``key``, used again since it was stored, may go unused: its own horizon,
+        or that of the next reuses seen lately if that is longer."""
+        own = _kept_for(self._own[key])
+        then = self.horizon(self._uses[key] + 1)
+        return own if then is None else max(own, then)
+
+    def horizon(self, nth: int = 1) -> float | None:
+        """How long an entry used ``nth - 1`` times may go unused and still be kept, from
+        the ``nth`` reuses seen lately; ``None`` if none was seen lately (for ``nth=1``: an
+        entry not used again since it was stored, before any first reuse)."""
+        seen = self._seen.get(nth)
+        if seen is None:
+            return None
+        clock = self._clock
         while seen and clock - seen[0][1] > MEMORY * seen[0][0] + SLACK:
             seen.pop(0)
-        return _kept_for(seen[0][0]) if seen else None
+        if not seen:
+            del self._seen[nth]
+            return None
+        return _kept_for(seen[0][0])
 
-    def _see(self, distance: int) -> None:
-        seen = self._seen
+    def _see(self, nth: int, distance: int) -> None:
+        """An ``nth`` reuse came ``distance`` after the use before it."""
+        if nth not in self._seen:
+            for old in list(self._seen):  # an entry used for ever (the weights) leaves one
+                self.horizon(old)  # level a step: forget those no longer seen
+        seen = self._seen.setdefault(nth, [])
         while seen and seen[-1][0] <= distance:
             seen.pop()
         seen.append((distance, self._clock))
@@ -167,6 +210,7 @@ class Reuse:
         self._clock = 0
         self._last.clear()
         self._own.clear()
+        self._uses.clear()
         self._fresh.clear()
         self._expiries.clear()
         self._ghosts.clear()

@@ -169,6 +169,33 @@ def test_a_chunk_sent_again_within_its_step_only_goes_with_the_step(horizon_alon
     assert "once-30" not in cache and f"chunk-{step - 1}-3" not in cache
 
 
+def test_a_batch_sent_again_at_once_then_later_stays_for_the_later_call(
+    horizon_alone: None,
+) -> None:
+    """As NeMo-RL's GRPO step sends its batch: the policy's log-probs store it, the
+    reference's send it again at once, train sends it after the two new log-prob keys. A hit
+    at a short distance does not shorten the batch's stay below what the batches before it
+    showed: once two steps have shown it, train finds every batch (and each goes in the next
+    step)."""
+    cache = RefCache(max_bytes=10_000 * MiB)
+    misses = []
+    for step in range(30):
+        batch = [f"batch-{step}-{i}" for i in range(7)]
+        for key in batch:  # get_logprobs
+            cache.setdefault(key, key, 2 * MiB)
+        for key in batch:  # get_reference_policy_logprobs, then its own new key
+            assert cache.get(key) is not None
+        cache.setdefault(f"prev-{step}", "p", 2 * MiB)
+        cache.setdefault(f"ref-{step}", "r", 2 * MiB)
+        found = [cache.get(key) is not None for key in batch]  # train
+        misses.append(found.count(False))
+        for key, hit in zip(batch, found, strict=True):
+            if not hit:
+                cache.setdefault(key, key, 2 * MiB)
+    assert not any(misses[2:]), misses
+    assert "batch-27-0" not in cache and cache.nbytes <= (2 * (14 + 4) + 4) * MiB
+
+
 def test_entries_stored_in_one_object_go_when_none_is_sent_again(horizon_alone: None) -> None:
     """A bundle's entries are kept while one of them is still within its horizon, and go
     together once none is."""
