@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+
 from ._context import current_scope
 
 #: What a tally counts, in the report's order.
@@ -61,6 +63,9 @@ class Tab:
     members: int = 0
     puts: int = 0
     distinct: int = 0
+    #: Of the distinct, bytes put in a form of refshare's own (tensors as their bytes), which
+    #: costs a copy where by value runs torch's pickling (an audit's :class:`Timing`).
+    as_bytes: int = 0
     unkeyed: int = 0
     put_call: bool = False
 
@@ -70,9 +75,11 @@ class Tab:
         self.in_call += in_call
         self.members += members
 
-    def put(self, nbytes: int) -> None:
+    def put(self, nbytes: int, as_bytes: bool = False) -> None:
         self.puts += 1
         self.distinct += nbytes
+        if as_bytes:
+            self.as_bytes += nbytes
 
 
 class Tally:
@@ -126,11 +133,13 @@ class Tally:
 
 class _Sending(threading.local):
     """What the call Ray is about to send on this thread carries, for :class:`Timing`: the
-    bytes of its large arguments and of those repeated, and the seconds refshare spent
-    meanwhile on what sharing would spend them on too (an audit weighing what it would put)."""
+    bytes of its large arguments, of those repeated, and of the others those sharing would
+    store in a form of its own; and the seconds refshare spent meanwhile on what sharing
+    would spend them on too (an audit weighing what it would put)."""
 
     sent = 0
     repeated = 0
+    as_bytes = 0
     not_keying = 0.0
 
 
@@ -142,6 +151,27 @@ def not_keying(seconds: float) -> None:
     _sending.not_keying += seconds
 
 
+#: Bytes this process copies a second, measured once (see :func:`copying`).
+_copy_rate: list[float] = []
+#: What the measure copies: large enough to leave the caches, small enough to take about 1 ms.
+_COPY_PROBE = 8 << 20
+
+
+def copying(nbytes: int) -> float:
+    """About how many seconds putting ``nbytes`` of a tensor's bytes takes: one copy into
+    new memory, as the object store makes, at the rate this process copies (the best of a
+    few copies of :data:`_COPY_PROBE` bytes, measured on first use)."""
+    if not _copy_rate:
+        source = np.ones(_COPY_PROBE, np.uint8)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            np.array(source, copy=True)
+            best = min(best, time.perf_counter() - start)
+        _copy_rate.append(_COPY_PROBE / max(best, 1e-9))
+    return nbytes / _copy_rate[0]
+
+
 R = TypeVar("R")
 
 
@@ -149,14 +179,16 @@ class Timing:
     """An audit's clock around one of Ray's calls that send (``.remote()``, ``ray.put``):
     from its start, what refshare spent keying the call's arguments; then Ray's own call,
     serializing and storing them by value. Of Ray's time, the share of the repeated bytes
-    among the large arguments' is what sharing would not spend; less the keying, which it
-    would spend, it is what it would save (see :meth:`Ledger.sent`)."""
+    among the large arguments' is what sharing would not spend, and so is the share of the
+    bytes sharing would store as their bytes (tensors, which by value pickles through torch:
+    three copies) but for one copy; less the keying, which sharing would spend, it is what
+    it would save (see :meth:`Ledger.sent`)."""
 
     __slots__ = ("ledger", "start")
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
-        _sending.sent = _sending.repeated = 0
+        _sending.sent = _sending.repeated = _sending.as_bytes = 0
         _sending.not_keying = 0.0
         self.start = time.perf_counter()
 
@@ -205,6 +237,7 @@ class Ledger:
         if self.tally.audit:
             _sending.sent += sent
             _sending.repeated += repeated
+            _sending.as_bytes += min(tab.as_bytes, sent - repeated)
 
     def timing(self) -> Timing | None:
         """A clock for the call about to be sent (auditing only: see :class:`Timing`)."""
@@ -213,13 +246,15 @@ class Ledger:
     def sent(self, keying: float, sending: float) -> None:
         """Count a call Ray sent in ``sending`` seconds, after ``keying`` seconds of the
         audit's: Ray's time shared among the large arguments by their bytes, the repeated
-        ones' share saved, the keying spent. A call without large arguments is left out."""
+        ones' share saved, the share of those sharing stores as their bytes saved but for
+        a copy, the keying spent. A call without large arguments is left out."""
         found = _sending
         if found.sent:
             keying -= found.not_keying
-            saved = sending * found.repeated / found.sent - keying
+            share = sending * (found.repeated + found.as_bytes) / found.sent
+            saved = share - copying(found.as_bytes) - keying
             self.tally.add((WOULD_SAVE_MS, saved * 1e3), (SENDING_MS, sending * 1e3))
-        found.sent = found.repeated = 0
+        found.sent = found.repeated = found.as_bytes = 0
         found.not_keying = 0.0
 
     def by_value(self, reason: str) -> None:

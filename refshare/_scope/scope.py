@@ -28,7 +28,7 @@ from .._options import Options
 from .._ray.session import current_session
 from .._rules import pickles_by_own_code
 from .._verify import MISMATCH, Mode, verifier, verify_by_env
-from .._wire.serialized import Serialized, stored_whole
+from .._wire.serialized import Serialized, put_as_bytes, stored_whole
 from .memo import CallMemo, NotKeyed
 from .store import CallStore
 
@@ -229,7 +229,7 @@ class Scope:
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("hit  %d bytes, key %s", keyed.nbytes, keyed.key.hex()[:12])
         else:
-            tab.put(keyed.nbytes)
+            tab.put(keyed.nbytes, put_as_bytes(keyed.stored))
         return got.ref
 
     def cold(self, value: Any, tab: Tab, kind: _admission.Kind, put: bool) -> Any:
@@ -244,7 +244,7 @@ class Scope:
             if put_now is None:
                 self.ledger.by_value("Ray refused its put")
                 return None
-            tab.put(tab.nbytes)
+            tab.put(tab.nbytes, put_as_bytes(stored))
             tab.unkeyed += 1
             return put_now[0]
         self.admission.record(kind, hit=True)
@@ -305,6 +305,7 @@ class Scope:
                 tab.hit(1, member.nbytes, member.nbytes if g.in_call else 0, member.nbytes)
             else:
                 tab.distinct += member.nbytes
+                tab.as_bytes += member.nbytes if put_as_bytes(member.stored) else 0
                 holders.add(g.ref.ref if type(g.ref) is Bundled else g.ref)
             refs.append(g.ref)
         tab.puts += len(holders)

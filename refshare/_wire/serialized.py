@@ -221,6 +221,11 @@ class PickleOnPut:
         self.value = value
 
 
+def put_as_bytes(stored: Any) -> bool:
+    """Whether ``stored`` is put with its tensors as their bytes (see :class:`PickleOnPut`)."""
+    return type(stored) is PickleOnPut
+
+
 def stored_whole(value: Any, *, tensors: bool, pickled: Serialized | None = None) -> Any:
     """What to put for ``value`` stored whole (see :func:`stored_form`): the pickle it was
     keyed by, if it had to be pickled to be keyed; else, where it may hold tensors that
