@@ -7,17 +7,18 @@ cache measures reuse distances: the bytes stored through it between two uses of 
 What an entry used ``n`` times so far is likely to do next is what entries used ``n`` times
 did lately: an entry not used again since it was stored is kept for as long as the longest
 first reuse seen lately (the distance from an entry's store to its first use again), one
-used once for as long as the longest second reuse, and so on, with a margin; a distance
-counts as seen lately until the cache has stored three times as much since (a pattern that
-repeats shows it again by then). An entry used again is also kept for as long as its own
-longest reuse distance, with the margin. So the weights sent once a step stay from step to
-step; a rollout's chunk sent again by the next calls of its step and then never goes soon
-after the step's last call (a horizon common to all entries would keep every chunk for as
-long as the weights are kept: a step and a half of them); and NeMo-RL's batch, sent again at
-once (the reference's log-probs right after the policy's) and then after a longer gap
-(train), stays for the gap its predecessors showed. Until an entry's kind of next use has
-been seen lately, nothing says how long it may wait: one never used again is not evicted for
-its age (the budget alone bounds the cache), one used again is kept for its own distances.
+used once for as long as the longest second reuse, with a margin; a distance counts as seen
+lately until the cache has stored three times as much since (a pattern that repeats shows
+it again by then). An entry used again is also kept for as long as its own longest reuse
+distance, with the margin, and once used twice, for that alone. So the weights sent once a
+step stay from step to step; a rollout's chunk sent again by the next calls of its step and
+then never goes soon after the step's last call (a horizon common to all entries would keep
+every chunk for as long as the weights are kept: a step and a half of them); and NeMo-RL's
+batch, sent again at once (the reference's log-probs right after the policy's) and then
+after a longer gap (train), stays for the gap its predecessors showed. Until an entry's
+kind of next use has been seen lately, nothing says how long it may wait: one never used
+again is not evicted for its age (the budget alone bounds the cache), one used again is
+kept for its own distances.
 
 An evicted entry sent again is remembered (its key, a ghost), so that its miss still teaches
 the distance it would have needed: from then on it is kept that long, and entries used as
@@ -41,6 +42,10 @@ SLACK = 64 << 10
 MEMORY = 3
 #: Evicted keys remembered at most (the oldest are forgotten).
 MAX_GHOSTS = 4096
+#: An entry used again this many times is kept for its own distances alone: they speak for it
+#: better than what others did (and the weights, used for ever, teach only the first counts
+#: what a step is, for a few steps, where chunks used as often are kept that long).
+OWN_FROM = 2
 
 
 def _kept_for(distance: float) -> float:
@@ -176,9 +181,11 @@ class Reuse:
 
     def _kept(self, key: Hashable) -> float:
         """How long ``key``, used again since it was stored, may go unused: its own horizon,
-        or that of the next reuses seen lately if that is longer."""
+        or, until it has been used :data:`OWN_FROM` times, that of the next reuses seen
+        lately if that is longer."""
         own = _kept_for(self._own[key])
-        then = self.horizon(self._uses[key] + 1)
+        uses = self._uses[key]
+        then = self.horizon(uses + 1) if uses < OWN_FROM else None
         return own if then is None else max(own, then)
 
     def horizon(self, nth: int = 1) -> float | None:
@@ -198,9 +205,8 @@ class Reuse:
 
     def _see(self, nth: int, distance: int) -> None:
         """An ``nth`` reuse came ``distance`` after the use before it."""
-        if nth not in self._seen:
-            for old in list(self._seen):  # an entry used for ever (the weights) leaves one
-                self.horizon(old)  # level a step: forget those no longer seen
+        if nth > OWN_FROM:
+            return  # asked of no entry
         seen = self._seen.setdefault(nth, [])
         while seen and seen[-1][0] <= distance:
             seen.pop()
