@@ -92,6 +92,9 @@ def _is_main(cls: type) -> bool:
 
 #: What a batch class (TensorDict, its non-tensor kinds, DataProto) may answer through a
 #: property or method and not hold as an attribute of that name.
+#: The methods an actor may answer to say which actor it is (``Tagged.tag``).
+ANSWERS = ("tag", "read")
+
 OBSERVED = ("batch_size", "device", "is_locked", "is_consolidated", "names")
 
 
@@ -135,7 +138,7 @@ class _Describer:
             return ("ObjectRef", same, inner)
         if isinstance(value, ray.actor.ActorHandle):
             same = self.actors.setdefault(value._actor_id.binary(), index)
-            return ("ActorHandle", same, ray.get(value.tag.remote(), timeout=60))
+            return ("ActorHandle", same, self.answer(value))
         if isinstance(value, type):
             return ("type", _qualname(value), self.main_class(value))
         if isinstance(value, bytearray):
@@ -162,6 +165,16 @@ class _Describer:
         if observed:
             state = [*state, ("observed", observed)]
         return ("object", _qualname(cls), state, self.main_class(cls, value))
+
+    @staticmethod
+    def answer(handle: Any) -> Any:
+        """What an actor behind a handle answers to the first of ``ANSWERS`` it has (an
+        actor without one is told by its class): which actor arrived."""
+        for name in ANSWERS:
+            method = getattr(handle, name, None)
+            if method is not None:
+                return (name, ray.get(method.remote(), timeout=60))
+        return ("class", handle._ray_actor_creation_function_descriptor.class_name)
 
     def state(self, value: Any) -> Any:
         """Attributes (``__dict__`` by name, then slots), as a by-value receiver sees them."""
