@@ -406,6 +406,17 @@ def fields(node: Any) -> dict[str, Any]:
     return dict(zip(FIELDS.get(body[0], ()), body, strict=False))
 
 
+def class_of(node: Any) -> str:
+    """The qualified class of one described value (a ``(index, body)`` node)."""
+    body = node[1]
+    return str(body[1] if body[0] in FIELDS else body[0])
+
+
+def tensor_layout(node: Any) -> dict[str, Any]:
+    """The layout of one described strided tensor, by the names in ``TENSOR_LAYOUT``."""
+    return dict(zip(TENSOR_LAYOUT, node[1][9], strict=True))
+
+
 def arguments(description: Any) -> tuple[list[Any], list[Any]]:
     """The described positional arguments and keyword items of a description of a call's
     ``(args, kwargs)``, as ``Probe.describe`` returns it."""
