@@ -82,6 +82,15 @@ def _field_bytes(arr: np.ndarray, order: str = "A") -> bytes:
     return b"".join(_field_bytes(plain[name], order) for name in names)
 
 
+def _size(value: Any) -> Any:
+    """A size or stride of a tensor; a nested tensor's ragged one by its coefficient: the
+    number torch names it by (``j1``) counts the nested tensors the process has made."""
+    node = getattr(value, "node", None)
+    if node is not None and node.is_nested_int():
+        return ("ragged", node.nested_int_coeff())
+    return value if isinstance(value, int) else repr(value)
+
+
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -132,6 +141,8 @@ class _Describer:
         torch = _torch()
         if torch is not None and isinstance(value, torch.Tensor):
             return self.tensor(value, index)
+        if torch is not None and isinstance(value, torch.SymInt):
+            return ("SymInt", _size(value))
         if isinstance(value, ray.ObjectRef):
             same = self.refs.setdefault(value.binary(), index)
             inner = _Describer().visit(ray.get(value, timeout=60))
@@ -233,7 +244,7 @@ class _Describer:
             _qualname(type(t)),
             str(t.dtype),
             str(t.layout),
-            tuple(t.shape),
+            tuple(map(_size, t.shape)),
             t.requires_grad,
             t.is_leaf,
             t.grad_fn is None,
