@@ -72,14 +72,23 @@ def _dtype(dtype: np.dtype[Any]) -> Any:
     )
 
 
-def _field_bytes(arr: np.ndarray) -> bytes:
+def _field_bytes(arr: np.ndarray, order: str = "A") -> bytes:
     """The array's bytes in its own order (F for an F-contiguous one), field by field for a
     struct: padding between fields is not content (a copy leaves it uninitialized)."""
     names = arr.dtype.names
     if not names:
-        return np.ndarray.tobytes(arr, order="A")
+        return np.ndarray.tobytes(arr, order=order)  # type: ignore[arg-type]
     plain = arr.view(np.ndarray)
-    return b"".join(_field_bytes(plain[name]) for name in names)
+    return b"".join(_field_bytes(plain[name], order) for name in names)
+
+
+def _size(value: Any) -> Any:
+    """A size or stride of a tensor; a nested tensor's ragged one by its coefficient: the
+    number torch names it by (``j1``) counts the nested tensors the process has made."""
+    node = getattr(value, "node", None)
+    if node is not None and node.is_nested_int():
+        return ("ragged", node.nested_int_coeff())
+    return value if isinstance(value, int) else repr(value)
 
 
 def _qualname(cls: type) -> str:
@@ -90,10 +99,20 @@ def _is_main(cls: type) -> bool:
     return cls.__module__ == "__main__"
 
 
+#: What a batch class (TensorDict, its non-tensor kinds, DataProto) may answer through a
+#: property or method and not hold as an attribute of that name.
+#: The methods an actor may answer to say which actor it is (``Tagged.tag``).
+ANSWERS = ("tag", "read")
+
+OBSERVED = ("batch_size", "device", "is_locked", "is_consolidated", "names")
+
+
 class _Describer:
     """One description pass: objects reached twice are named by their first visit."""
 
-    def __init__(self) -> None:
+    def __init__(self, layout: bool = True) -> None:
+        self.layout = layout  # without it: what the value holds, not how (see describe_content)
+        self.digests: dict[tuple[int, int], str] = {}  # a storage's bytes, read once a pass
         self.first: dict[int, int] = {}
         self.held: list[Any] = []  # what was visited: no id is recycled during the pass
         self.storages: dict[int, int] = {}
@@ -122,13 +141,15 @@ class _Describer:
         torch = _torch()
         if torch is not None and isinstance(value, torch.Tensor):
             return self.tensor(value, index)
+        if torch is not None and isinstance(value, torch.SymInt):
+            return ("SymInt", _size(value))
         if isinstance(value, ray.ObjectRef):
             same = self.refs.setdefault(value.binary(), index)
             inner = _Describer().visit(ray.get(value, timeout=60))
             return ("ObjectRef", same, inner)
         if isinstance(value, ray.actor.ActorHandle):
             same = self.actors.setdefault(value._actor_id.binary(), index)
-            return ("ActorHandle", same, ray.get(value.tag.remote(), timeout=60))
+            return ("ActorHandle", same, self.answer(value))
         if isinstance(value, type):
             return ("type", _qualname(value), self.main_class(value))
         if isinstance(value, bytearray):
@@ -151,7 +172,20 @@ class _Describer:
         state = self.state(value)
         if not state and not hasattr(value, "__dict__"):
             state = [("repr", repr(value)[:200])]  # a C-level value: Decimal, datetime
+        observed = self.observed(value)
+        if observed:
+            state = [*state, ("observed", observed)]
         return ("object", _qualname(cls), state, self.main_class(cls, value))
+
+    @staticmethod
+    def answer(handle: Any) -> Any:
+        """What an actor behind a handle answers to the first of ``ANSWERS`` it has (an
+        actor without one is told by its class): which actor arrived."""
+        for name in ANSWERS:
+            method = getattr(handle, name, None)
+            if method is not None:
+                return (name, ray.get(method.remote(), timeout=60))
+        return ("class", handle._ray_actor_creation_function_descriptor.class_name)
 
     def state(self, value: Any) -> Any:
         """Attributes (``__dict__`` by name, then slots), as a by-value receiver sees them."""
@@ -179,23 +213,26 @@ class _Describer:
 
     def ndarray(self, arr: np.ndarray, index: int) -> Any:
         flags = arr.flags
-        head = (
-            "ndarray",
-            _qualname(type(arr)),
-            self.visit(arr.dtype),  # an object of its own: pickle's memo shares it
-            arr.shape,
+        how = (
             arr.strides,
             bool(flags.c_contiguous),
             bool(flags.f_contiguous),
             bool(flags.writeable),
             bool(flags.aligned),
         )
+        head = (
+            "ndarray",
+            _qualname(type(arr)),
+            self.visit(arr.dtype),  # an object of its own: pickle's memo shares it
+            arr.shape,
+            *(how if self.layout else (None,) * len(how)),
+        )
         if arr.dtype.hasobject:
             plain = arr.view(np.ndarray)
             body: Any = [self.visit(plain[i]) for i in np.ndindex(plain.shape)]
         else:
-            body = _digest(_field_bytes(arr))
-            if arr.nbytes:
+            body = _digest(_field_bytes(arr, "A" if self.layout else "C"))
+            if arr.nbytes and self.layout:
                 self.arrays.append((index, arr))
         return (*head, body, self.state(arr) if type(arr) is not np.ndarray else None)
 
@@ -207,24 +244,29 @@ class _Describer:
             _qualname(type(t)),
             str(t.dtype),
             str(t.layout),
-            tuple(t.shape),
+            tuple(map(_size, t.shape)),
             t.requires_grad,
             t.is_leaf,
             t.grad_fn is None,
             t.is_inference(),
         )
         state = self.state(t)
+        if t.is_nested:
+            return (*head, self.nested(t), state)
         if t.layout != torch.strided:
             if t.layout == torch.sparse_coo:
                 indices, values = self.visit(t._indices()), self.visit(t._values())
                 parts = (t.is_coalesced(), t._nnz(), indices, values)
                 return (*head, parts, state)
             return (*head, repr(t), state)
+        plain = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        elements = plain.view(torch.uint8) if plain.dtype != torch.bool else plain.to(torch.uint8)
+        content = _digest(elements.numpy().tobytes())
+        if not self.layout:
+            return (*head, None, (None, content, None), state, None)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         shared = self.storages.setdefault(storage.data_ptr(), index) if nbytes else None
-        plain = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-        elements = plain.view(torch.uint8) if plain.dtype != torch.bool else plain.to(torch.uint8)
         layout = (
             t.stride(),
             t.storage_offset(),
@@ -235,8 +277,50 @@ class _Describer:
             t.is_neg(),
             None if t.is_inference() else t._version,
         )
-        body = (_digest(storage_bytes(storage)), _digest(elements.numpy().tobytes()), shared)
+        body = (self.storage_digest(storage), content, shared)
         return (*head, layout, body, state, tensor_state(t))
+
+    def nested(self, t: Any) -> Any:
+        """A nested tensor's parts: a jagged one's values, offsets, lengths, ragged dimension
+        and cached sizes; a strided one's components."""
+        import torch
+
+        if t.layout != torch.jagged:
+            return ("components", [self.visit(part) for part in t.unbind()])
+        cache = getattr(t, "_metadata_cache", None) or {}
+        return (
+            "jagged",
+            self.visit(t._values),
+            self.visit(t._offsets),
+            None if t._lengths is None else self.visit(t._lengths),
+            t._ragged_idx,
+            sorted((key, self.visit(item)) for key, item in cache.items()),
+        )
+
+    def storage_digest(self, storage: Any) -> str:
+        """The digest of a storage's bytes, read once however many tensors view it (a
+        consolidated batch is one storage under every tensor)."""
+        key = (storage.data_ptr(), storage.nbytes())
+        found = self.digests.get(key)
+        if found is None:
+            found = self.digests[key] = _digest(storage_bytes(storage))
+        return found
+
+    def observed(self, value: Any) -> Any:
+        """What a batch class answers beyond its attributes (a TensorDict's size, device,
+        lock and consolidation are read through its methods), where its class defines them."""
+        found = []
+        for name in OBSERVED:
+            if inspect.getattr_static(type(value), name, None) is None:
+                continue
+            try:
+                item = getattr(value, name)
+                item = item() if callable(item) else item
+            except Exception as error:
+                found.append((name, ("raises", type(error).__name__)))
+                continue
+            found.append((name, repr(tuple(item) if name == "batch_size" else item)[:200]))
+        return found
 
     def memory_sharing(self) -> list[tuple[int, int]]:
         """Which of the arrays visited share memory that one of them can write: a write
@@ -315,6 +399,40 @@ def describe_fully(value: Any) -> Any:
     what they answer."""
     describer = _Describer()
     return describer.visit(value), describer.memory_sharing()
+
+
+def describe_content(value: Any) -> Any:
+    """What ``value`` holds, as :func:`describe_fully` tells it, without how it is laid out
+    (strides, flags, storage, torch's state, shared memory): for comparing what a worker
+    received with the driver's own value, whose arrays are writable where the worker's are
+    read-only."""
+    describer = _Describer(layout=False)
+    return describer.visit(value), None
+
+
+def fields(node: Any) -> dict[str, Any]:
+    """The fields of one described array, tensor or object (a ``(index, body)`` node of a
+    description), by the names in ``FIELDS``."""
+    body = node[1]
+    return dict(zip(FIELDS.get(body[0], ()), body, strict=False))
+
+
+def class_of(node: Any) -> str:
+    """The qualified class of one described value (a ``(index, body)`` node)."""
+    body = node[1]
+    return str(body[1] if body[0] in FIELDS else body[0])
+
+
+def tensor_layout(node: Any) -> dict[str, Any]:
+    """The layout of one described strided tensor, by the names in ``TENSOR_LAYOUT``."""
+    return dict(zip(TENSOR_LAYOUT, node[1][9], strict=True))
+
+
+def arguments(description: Any) -> tuple[list[Any], list[Any]]:
+    """The described positional arguments and keyword items of a description of a call's
+    ``(args, kwargs)``, as ``Probe.describe`` returns it."""
+    args, kwargs = description[0][1][1]
+    return args[1][1], kwargs[1][1]
 
 
 #: Names of the fields of each kind of description, for readable differences.

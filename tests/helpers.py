@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import ray
+from differential_kit import describe_fully as describe
 
 #: The repository's root: the examples and benchmarks run from there.
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,28 +67,6 @@ def _deserialize(data: np.ndarray) -> Payload:
 def count_payload_serializations() -> None:
     """Route Ray's serialization of Payload through a counter (in this process only)."""
     ray.util.register_serializer(Payload, serializer=_serialize, deserializer=_deserialize)
-
-
-def describe(value: Any) -> Any:
-    """What a worker saw: type, and for arrays their dtype, shape, flags and a checksum."""
-    if isinstance(value, Payload):
-        return ("Payload", describe(value.data))
-    if isinstance(value, np.ndarray):
-        return (
-            "ndarray",
-            str(value.dtype),
-            value.shape,
-            bool(value.flags.writeable),
-            bool(value.flags.f_contiguous and not value.flags.c_contiguous),
-            float(value.astype(np.float64).sum()),
-        )
-    if isinstance(value, dict):
-        return {key: describe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(describe(item) for item in value)
-    if isinstance(value, ray.ObjectRef):
-        return "ObjectRef"  # a nested ref is not resolved by Ray: the worker sees the ref
-    return (type(value).__name__, value if isinstance(value, (int, float, str)) else None)
 
 
 @ray.remote(num_cpus=0.1)

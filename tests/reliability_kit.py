@@ -1,5 +1,6 @@
 """Shared pieces of the reliability suite: marked payloads, a worker that describes exactly
-what it received, and checks that compare a decorated call with the same call by value."""
+what it received (the shared describer), and checks that compare a decorated call with the
+same call by value."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import ray
+from differential_kit import describe_fully as describe
 
 import refshare
 
@@ -20,46 +22,6 @@ def marked(marker: int, nbytes: int) -> np.ndarray:
     """An int64 array of ``nbytes`` whose every element is ``marker``: a per-call signature
     that the worker reads back from the content it actually received."""
     return np.full(nbytes // 8, marker, dtype=np.int64)
-
-
-def _order(arr: np.ndarray) -> str:
-    if arr.flags.c_contiguous:
-        return "C"
-    return "F" if arr.flags.f_contiguous else "N"
-
-
-def describe(value: Any, _path: tuple[int, ...] = ()) -> Any:
-    """What a process sees in ``value``: types, dtypes, shapes, layout and a checksum of every
-    byte, recursively; cycles are named by the depth they point back to."""
-    if id(value) in _path:
-        return ("cycle", _path.index(id(value)))
-    path = (*_path, id(value))
-    if isinstance(value, np.ndarray):
-        head = (type(value).__qualname__, value.dtype.str, repr(value.dtype), value.shape)
-        extra = tuple(sorted((k, repr(v)) for k, v in getattr(value, "__dict__", {}).items()))
-        if value.dtype.hasobject:
-            return (*head, extra, describe(value.tolist(), path))
-        return (*head, extra, _order(value), zlib.crc32(value.tobytes()))
-    if isinstance(value, (bytes, bytearray)):
-        return (type(value).__name__, len(value), zlib.crc32(value))
-    if isinstance(value, memoryview):
-        return ("memoryview", value.format, value.shape, zlib.crc32(value.tobytes()))
-    if isinstance(value, str):
-        return ("str", len(value), zlib.crc32(value.encode("utf-8", "surrogatepass")))
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, [describe(item, path) for item in value])
-    if isinstance(value, dict):
-        return ("dict", [(repr(k), describe(v, path)) for k, v in value.items()])
-    if isinstance(value, ray.ObjectRef):
-        return ("ObjectRef", describe(ray.get(value, timeout=60), path))
-    if isinstance(value, ray.actor.ActorHandle):
-        return ("ActorHandle",)
-    if isinstance(value, (int, float, complex, bool, type(None))):
-        return (type(value).__name__, value)
-    state = getattr(value, "__dict__", None)
-    if isinstance(state, dict):
-        return (type(value).__qualname__, describe(state, path))
-    return (type(value).__qualname__, repr(value)[:80])
 
 
 def describe_args(*args: Any) -> Any:

@@ -8,19 +8,19 @@ per distinct value and a hit for every repeat.
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import subprocess
 import sys
 import textwrap
 from collections import UserDict
 from collections.abc import Callable
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 import ray
+from differential_kit import class_of, describe_content, describe_fully, fields, tensor_layout
 
 import refshare
 
@@ -33,42 +33,10 @@ MiB = 1 << 20
 # -- what a worker saw --------------------------------------------------------------------
 
 
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
 def describe(value: Any, layout: bool = True) -> Any:
-    """Type, dtype, shape and a digest of the values; with ``layout``, strides and flags too."""
-    torch = sys.modules.get("torch")
-    name = type(value).__qualname__
-    if torch is not None and isinstance(value, torch.Tensor):
-        plain = value.detach().resolve_conj().resolve_neg().contiguous()
-        content = (name, str(value.dtype), tuple(value.shape), value.requires_grad)
-        extra = describe(dict(vars(value)), layout) if vars(value) else None
-        bytes_ = plain.reshape(-1).view(torch.uint8).numpy().tobytes()
-        if layout:
-            storage = value.untyped_storage()
-            content += (value.stride(), value.storage_offset(), value.is_contiguous())
-            content += (storage.nbytes(), value.is_leaf)
-        return ("tensor", *content, extra, _digest(bytes_))
-    if isinstance(value, np.ndarray):
-        content = (name, value.dtype.str, value.shape)
-        if layout:
-            flags = value.flags
-            content += (value.strides, flags.c_contiguous, flags.f_contiguous, flags.writeable)
-        if value.dtype.hasobject:  # the objects themselves, not pointers to them
-            return ("ndarray", *content, _digest(repr(value.tolist()).encode()))
-        return ("ndarray", *content, _digest(np.ascontiguousarray(value).tobytes()))
-    if isinstance(value, dict):
-        state = describe(dict(vars(value)), layout) if hasattr(value, "__dict__") else None
-        return (name, [(k, describe(v, layout)) for k, v in value.items()], state)
-    if isinstance(value, (list, tuple)):
-        return (name, [describe(v, layout) for v in value])
-    if is_dataclass(value):
-        return (name, [(f.name, describe(getattr(value, f.name), layout)) for f in fields(value)])
-    if hasattr(value, "__dict__"):
-        return (name, describe(dict(vars(value)), layout))
-    return (name, value)
+    """The shared description of ``value``; without ``layout``, of its content only (to
+    compare with the driver's own value, whose arrays are writable)."""
+    return describe_fully(value) if layout else describe_content(value)
 
 
 @ray.remote(num_cpus=0.1)
@@ -122,8 +90,8 @@ def assert_changed_within_one_call_is_sent_anew(
 
 
 def received(probes: list[Any], value: Any) -> Any:
-    """What the first probe sees of ``value`` sent alone, by value."""
-    return ray.get(probes[0].describe.remote(value))[0]
+    """What the first probe sees of ``value`` sent alone, by value: its description's root."""
+    return ray.get(probes[0].describe.remote(value))[0][0]
 
 
 # -- numpy --------------------------------------------------------------------------------
@@ -223,8 +191,7 @@ class UserBatchedDataDict(UserDict[str, Any]):
 @pytest.mark.parametrize("cls", [BatchedDataDict, UserBatchedDataDict])
 def test_batched_data_dict(probes: list[Any], cls: type) -> None:
     batch = cls(numpy_batch())
-    seen = received(probes, batch)
-    assert seen[0] == cls.__qualname__
+    assert class_of(received(probes, batch)) == f"{__name__}.{cls.__qualname__}"
     check(probes, batch, cls(numpy_batch()), puts=1, hits=2 * N_PROBES - 1)
 
 
@@ -232,7 +199,8 @@ def test_batched_data_dict_state_is_part_of_the_content(probes: list[Any]) -> No
     first, second = BatchedDataDict(numpy_batch()), BatchedDataDict(numpy_batch())
     second.micro_batch_indices = [0, 128, 256]
     check(probes, first, second, puts=2, hits=2 * (N_PROBES - 1))
-    assert received(probes, second)[2] == describe({"micro_batch_indices": [0, 128, 256]})
+    ((name, (_, (_, indices, _))),) = received(probes, second)[1][3]  # its attributes
+    assert (name, indices) == ("micro_batch_indices", [describe(i)[0] for i in (0, 128, 256)])
 
 
 # -- torch --------------------------------------------------------------------------------
@@ -252,7 +220,8 @@ def torch_batch(seed: int = 0) -> dict[str, Any]:
 
 def test_dict_of_torch_tensors(probes: list[Any]) -> None:
     batch = torch_batch()
-    assert received(probes, batch)[1][3][1][1] == "Parameter"
+    value_head = received(probes, batch)[1][1][3][1]
+    assert class_of(value_head) == "torch.nn.parameter.Parameter"
     check(probes, batch, copy.deepcopy(batch), torch_batch(1), puts=2, hits=3 * N_PROBES - 2)
 
 
@@ -278,7 +247,7 @@ def test_dataclass_of_tensors(probes: list[Any]) -> None:
     )
     later = copy.copy(rollout)
     later.step = 4  # same tensors, other metadata: other content
-    assert received(probes, rollout)[0] == "Rollout"
+    assert class_of(received(probes, rollout)) == f"{__name__}.Rollout"
     check(probes, rollout, copy.deepcopy(rollout), later, puts=2, hits=3 * N_PROBES - 2)
 
 
@@ -295,7 +264,7 @@ def test_bfloat16_tensors(probes: list[Any]) -> None:
     torch = pytest.importorskip("torch")
     weights = torch.randn(1024, 1024).to(torch.bfloat16)  # 2 MiB
     same_bytes = weights.view(torch.float16)  # equal bytes, another dtype: another value
-    assert received(probes, weights)[2] == "torch.bfloat16"
+    assert fields(received(probes, weights))["dtype"] == "torch.bfloat16"
     check(probes, weights, weights.clone(), same_bytes, puts=2, hits=3 * N_PROBES - 2)
 
 
@@ -303,7 +272,8 @@ def test_non_contiguous_tensors(probes: list[Any]) -> None:
     torch = pytest.importorskip("torch")
     base = torch.randn(512, 1024)  # 2 MiB
     views = [base, base.T, base[:, ::2], base[::2], base[1:], base.T.contiguous()]
-    assert received(probes, base.T)[7] is False  # not contiguous: Ray keeps the strides
+    seen = tensor_layout(received(probes, base.T))
+    assert seen["is_contiguous"] is False  # not contiguous: Ray keeps the strides
     check(probes, *views, base[::2], puts=len(views), hits=len(views) * 2 + 3)
 
 
@@ -457,7 +427,7 @@ def test_a_registered_tensordict_like_type(probes: list[Any]) -> None:
     )
     values = tensordicts(RegisteredTensorDict)
     assert refshare.estimate_size(values[0]) == values[0].nbytes()
-    assert received(probes, values[0])[0] == "RegisteredTensorDict"
+    assert class_of(received(probes, values[0])) == f"{__name__}.RegisteredTensorDict"
     check(probes, *values, puts=2, hits=len(values) * N_PROBES - 2)
 
 

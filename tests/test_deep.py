@@ -10,7 +10,6 @@ import asyncio
 import copy
 import dataclasses
 import gc
-import sys
 import time
 from collections import UserDict
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
+from differential_kit import describe_fully as describe
 
 import refshare
 
@@ -27,43 +27,10 @@ N = 3
 MEMBER = 1 << 17  # float64 elements: 1 MiB
 
 
-def describe(value: Any) -> Any:
-    """Type, and for arrays and tensors: dtype, shape, strides, read-only flag, checksum."""
-    torch = sys.modules.get("torch")
-    name = type(value).__qualname__
-    if torch is not None and isinstance(value, torch.Tensor):
-        return (name, str(value.dtype), tuple(value.shape), value.stride(),
-                float(value.double().sum()))  # fmt: skip
-    if isinstance(value, np.ndarray):
-        if value.dtype.hasobject:
-            return (name, value.tolist())
-        return (name, value.dtype.str, value.shape, value.strides, value.flags.writeable,
-                float(value.astype(np.float64).sum()))  # fmt: skip
-    if isinstance(value, ray.ObjectRef):
-        return (name, ray.get(value).tolist())
-    if isinstance(value, ray.actor.ActorHandle):
-        return (name, ray.get(value.read.remote()))
-    if isinstance(value, (dict, UserDict)):
-        return (name, [(k, describe(v)) for k, v in value.items()], describe_attrs(value))
-    if isinstance(value, (list, tuple)):
-        return (name, [describe(v) for v in value])
-    if hasattr(value, "__dict__"):
-        return (name, describe(vars(value)))
-    return (name, value)
-
-
-def describe_attrs(value: Any) -> Any:
-    attrs = {k: v for k, v in getattr(value, "__dict__", {}).items() if k != "data"}
-    return describe(attrs) if attrs else None
-
-
 @ray.remote(num_cpus=0.1)
 class Reader:
     def read(self, value: Any) -> Any:
-        same = None
-        if isinstance(value, dict) and "a" in value and "alias" in value:
-            same = value["a"] is value["alias"]
-        return describe(value), same
+        return describe(value)
 
 
 @ray.remote(num_cpus=0.1)
@@ -134,7 +101,9 @@ def test_aliasing_read_only_flags_and_views(readers: list[Any]) -> None:
     value = {"a": a, "alias": a, "view": member(8.0)[::2], "small": np.zeros(4)}
     shared = deep_fan_out(readers, value)
     assert shared == fan_out(readers, value)
-    assert all(same for _, same in shared)  # one object under two keys, as by value
+    for seen in shared:  # one object under two keys, as by value
+        items = dict(seen[0][1][1])
+        assert items[describe("alias")[0]] == ("same", items[describe("a")[0]][0])
     stats = refshare.stats()  # a once, the view (a C copy, as by value) once: in one object
     assert (stats.puts, stats.bytes_put) == (1, MEMBER * 8 + MEMBER * 4), stats
 
@@ -160,8 +129,9 @@ def test_objects_of_one_class_are_each_pickled_as_they_pickle(
     for _ in range(2):
         assert shared_fan_out(readers, value) == by_value
         assert refshare.stats().puts == 1
-    points = dict(by_value[0][0][1])["points"]  # ("list", [each point described])
-    assert ("str", "hooked 3") in points[1]
+    items = dict(by_value[0][0][1][1])  # the dict's items, by their described keys
+    points = items[describe("points")[0]][1][1]  # each point described
+    assert describe("hooked 3")[0] in points
 
 
 def test_torch_members_bf16_views_and_inference_mode(readers: list[Any]) -> None:
@@ -321,8 +291,8 @@ def test_a_member_changed_within_one_call_is_sent_anew(readers: list[Any]) -> No
         return [first, ray.get(readers[1].read.remote(batch))]
 
     first, second = change_midway()
-    assert first[0][1][0][1][-1] == float(MEMBER)
-    assert second[0][1][0][1][-1] == 5.0 * MEMBER
+    assert first == ray.get(readers[0].read.remote({"x": member(1.0), "y": member(2.0)}))
+    assert second == ray.get(readers[1].read.remote({"x": member(5.0), "y": member(2.0)}))
 
 
 def test_puts_in_a_deep_scope_store_members(readers: list[Any]) -> None:

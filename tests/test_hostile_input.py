@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
+from differential_kit import describe_content, describe_fully, fields
 from reliability_kit import by_value_and_shared, describe, describe_args
 
 import refshare
@@ -34,6 +35,11 @@ def compare(sink: Any, *args: Any, **options: Any) -> tuple[tuple[str, Any], tup
     return by_value_and_shared(
         lambda: ray.get(sink.apply.remote(describe_args, *args), timeout=60), **options
     )
+
+
+def received_by_value(sink: Any, value: Any) -> Any:
+    """What the worker saw of ``value`` sent by value."""
+    return ray.get(sink.apply.remote(describe, value), timeout=60)
 
 
 class RefusesToPickle:
@@ -85,7 +91,9 @@ def test_self_referencing_containers(sink: Any) -> None:
     table: dict[str, Any] = {"data": np.ones(LARGE)}
     table["self"] = table
     by_value, shared = compare(sink, loop, table)
-    assert shared == by_value == ("ok", describe((loop, table)))
+    assert shared == by_value and by_value[0] == "ok"
+    seen = ray.get(sink.apply.remote(describe_content, (loop, table)), timeout=60)
+    assert seen == describe_content((loop, table))  # the driver's cycles and content
     assert refshare.stats().puts == 2
 
 
@@ -121,7 +129,8 @@ def test_object_dtype_arrays(sink: Any) -> None:
     second[-1] = {"k": b"w"}  # same size, one element differs
     by_value, shared = compare(sink, first, second, first)
     assert shared == by_value
-    assert by_value[1][1][0] != by_value[1][1][1]
+    items = by_value[1][0][1][1]  # the arguments, described
+    assert items[0] != items[1]
     assert refshare.stats()[:2] == (2, 1)  # puts, hits
 
 
@@ -151,9 +160,11 @@ def test_ndarray_subclasses_never_collide_with_the_plain_array(sink: Any) -> Non
 
     by_value, shared = compare(sink, *values)
     assert shared == by_value
-    received = [item[:5] for item in by_value[1][1]]
-    assert [r[0] for r in received] == ["ndarray", "Plain", "Tagged", "Tagged", "ndarray"]
-    assert [r[4] for r in received] == [(), (), (("tag", "'a'"),), (("tag", "'b'"),), ()]
+    received = [fields(item) for item in by_value[1][0][1][1]]
+    types = [r["type"].rpartition(".")[2] for r in received]
+    assert types == ["ndarray", "Plain", "Tagged", "Tagged", "ndarray"]
+    tags = [[("tag", describe_content(tag)[0])] for tag in "ab"]
+    assert [r["attributes"] for r in received] == [None, [], *tags, None]
     assert refshare.stats()[:2] == (4, 1)
 
 
@@ -184,8 +195,9 @@ def test_nested_refs_and_actor_handles(sink: Any) -> None:
     inner = ray.put(np.arange(10.0))
     by_value, shared = compare(sink, [np.ones(LARGE), inner, sink], deep=False)
     assert shared == by_value
-    received = by_value[1][1][0][1]
-    assert received[1:] == [("ObjectRef", describe(np.arange(10.0))), ("ActorHandle",)]
+    ((_, (_, (_, ref, handle), _)),) = by_value[1][0][1][1]  # the list's items
+    assert ref[1] == ("ObjectRef", ref[0], describe_fully(ray.get(inner))[0])
+    assert handle[1] == ("ActorHandle", handle[0], ("class", "Sink"))
     # Stored, the ref and the handle would live as long as the cache kept them: by value.
     assert refshare.stats()[:3] == (0, 0, 0) and refshare.stats().by_value == 1
 
@@ -217,7 +229,7 @@ def test_an_array_changed_in_place_between_two_calls_is_sent_anew(sink: Any) -> 
     weights = np.zeros(LARGE)
     first = send(weights)
     weights[123] = 1.0
-    assert send(weights) == describe(weights) != first
+    assert send(weights) == received_by_value(sink, weights) != first
     assert refshare.stats().puts == 2
 
 
@@ -309,7 +321,7 @@ def test_reused_fingerprints_of_arrays_from_ray_get(sink: Any) -> None:
     def send() -> Any:
         return ray.get(sink.apply.remote(describe, frozen), timeout=60)
 
-    assert [send() for _ in range(3)] == [describe(frozen)] * 3
+    assert [send() for _ in range(3)] == [received_by_value(sink, frozen)] * 3
     assert refshare.stats()[:2] == (1, 2)
 
 
@@ -322,9 +334,9 @@ def test_reuse_fingerprints_with_a_read_only_view_of_writable_memory(sink: Any) 
     def send() -> Any:
         return ray.get(sink.apply.remote(describe, value), timeout=60)
 
-    assert send() == describe(value)
+    assert send() == received_by_value(sink, value)
     raw[POKED] = 1  # the owner of the memory changes it, as it may
-    assert send() == describe(value)
+    assert send() == received_by_value(sink, value)
 
 
 def test_a_function_redefined_in_main(sink: Any, monkeypatch: pytest.MonkeyPatch) -> None:

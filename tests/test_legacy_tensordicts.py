@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pickle
 import sys
-import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import ray
+from differential_kit import describe_fully
 
 import refshare
 
@@ -28,48 +28,9 @@ torch = pytest.importorskip("torch")
 ROWS, PROMPT, RESPONSE = 16, 64, 64
 
 
-def checksum(t: Any) -> int:
-    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes())
-
-
-def describe(value: Any) -> Any:
-    """What a worker can see of a value: every tensor's full layout and bytes, a nested
-    tensor's parts, a TensorDict's entries and non-tensor data, in order."""
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        cache = getattr(value, "_metadata_cache", {}) or {}
-        return (
-            "nested", type(value).__name__, str(value.dtype), str(value.layout), value.size(0),
-            describe(value._values), describe(value._offsets),
-            None if value._lengths is None else describe(value._lengths),
-            value._ragged_idx, sorted((k, describe(v)) for k, v in cache.items()),
-            value.requires_grad,
-        )  # fmt: skip
-    if isinstance(value, torch.Tensor):
-        return (
-            type(value).__name__, str(value.dtype), tuple(value.shape), value.stride(),
-            value.storage_offset(), value.untyped_storage().nbytes(), value.requires_grad,
-            sorted((k, repr(v)) for k, v in vars(value).items()), checksum(value),
-        )  # fmt: skip
-    if isinstance(value, np.ndarray):
-        return ("ndarray", value.dtype.str, value.shape, value.tolist())
-    if isinstance(value, dict):
-        return ("dict", [(key, describe(item)) for key, item in value.items()])
-    module = type(value).__module__
-    if module.startswith("tensordict"):
-        if hasattr(value, "tolist") and type(value).__name__ == "NonTensorStack":
-            return ("NonTensorStack", tuple(value.batch_size), repr(value.tolist()))
-        if type(value).__name__ == "NonTensorData":
-            return ("NonTensorData", tuple(value.batch_size), repr(value.data))
-        consolidated = value.is_consolidated()
-        entries = [(key, describe(value.get(key))) for key in value.keys()]  # noqa: SIM118 (rows)
-        return (type(value).__name__, tuple(value.batch_size), consolidated, value.is_locked,
-                entries)  # fmt: skip
-    return type(value).__name__, repr(value)[:200]
-
-
 @ray.remote(num_cpus=0.1)
 def received(value: Any) -> Any:
-    return describe(value)
+    return describe_fully(value)
 
 
 def both_ways(value: Any, **options: Any) -> tuple[list[Any], list[Any]]:

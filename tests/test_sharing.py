@@ -12,6 +12,7 @@ import internals
 import numpy as np
 import pytest
 import ray
+from differential_kit import arguments, fields, first_difference
 from helpers import Controller, Payload, Worker, count_payload_serializations, receive
 
 import refshare
@@ -96,9 +97,9 @@ def test_workers_receive_exactly_what_ray_by_value_gives(workers: list[Any]) -> 
     by_value = fan_out(workers, *args, flag=np.ones(50_000))
     shared = shared_fan_out(workers, *args, flag=np.ones(50_000))
     assert shared == by_value
-    (received_args, _), _ = shared[0], None
-    assert received_args[0][3] is False  # workers get read-only arrays, as by value
-    assert received_args[1][4] is True  # F order kept
+    received_args, _ = arguments(shared[0])
+    assert fields(received_args[0])["writeable"] is False  # read-only arrays, as by value
+    assert fields(received_args[1])["F-contiguous"] is True  # F order kept
     assert refshare.stats().puts == 9  # every large argument once: 8 positional + flag
     assert refshare.stats().hits == 9 * (N_WORKERS - 1)
 
@@ -119,7 +120,8 @@ def test_body_still_sees_the_original_values(workers: list[Any]) -> None:
 @pytest.mark.verify_off  # counts serializations, which verify adds to
 def test_every_submission_path_is_shared(workers: list[Any], serializations) -> None:
     payload = Payload.filled(5)
-    with refshare.sharing():
+
+    def every_path() -> list[Any]:
         worker = Worker.remote(payload, key=payload)  # actor creation, positional and keyword
         calls = [
             worker.received_at_init.remote(),
@@ -128,17 +130,17 @@ def test_every_submission_path_is_shared(workers: list[Any], serializations) -> 
             receive.remote(payload),
             receive.options(num_cpus=0.05).remote(data=payload),
         ]
-        results = ray.get(calls)
+        found = ray.get(calls)
+        ray.kill(worker)
+        return found
+
+    with refshare.sharing():
+        results = every_path()
     # Keyed by its own pickle: once to key and store, once more (its second send, the
     # keyword of the same actor creation) to learn that it pickles alike.
     assert serializations() == 2
-    expected = ray.get(receive.remote(payload))[0][0]  # by value, outside the scope
-    assert results[0] == ((expected,), {"key": expected})
-    assert results[1] == ((expected,), {})
-    assert results[2] == ((), {"data": expected})
-    assert results[3] == ((expected,), {})
-    assert results[4] == ((), {"data": expected})
-    ray.kill(worker)
+    expected = every_path()  # by value, outside the scope
+    assert results == expected, first_difference(results, expected)
 
 
 def test_refs_and_small_values_pass_through(workers: list[Any]) -> None:
@@ -203,8 +205,14 @@ def test_an_array_changed_in_place_between_calls_is_sent_anew(workers: list[Any]
     first = shared_fan_out(workers, weights)
     weights += 1.0
     second = shared_fan_out(workers, weights)
-    assert first[0][0][0][5] == 0.0 and second[0][0][0][5] == 200_000.0
+    assert first == fan_out(workers, np.zeros(200_000)) != second  # each as by value
+    assert second == fan_out(workers, np.ones(200_000))
     assert refshare.stats().puts == 2
+
+
+def by_value_fills(workers: list[Any], size: int) -> list[Any]:
+    """What each worker receives, by value, of an array of ``size`` filled with its index."""
+    return ray.get([w.receive.remote(np.full(size, float(i))) for i, w in enumerate(workers)])
 
 
 def test_temporaries_never_reuse_a_recycled_id(workers: list[Any]) -> None:
@@ -214,7 +222,7 @@ def test_temporaries_never_reuse_a_recycled_id(workers: list[Any]) -> None:
         return ray.get([w.receive.remote(np.full(50_000, float(i))) for i, w in enumerate(workers)])
 
     results = per_worker()
-    assert [r[0][0][5] for r in results] == [50_000.0 * i for i in range(N_WORKERS)]
+    assert results == by_value_fills(workers, 50_000)
     assert refshare.stats().puts == N_WORKERS
 
 
@@ -258,7 +266,7 @@ def test_threads_each_get_their_own_arguments(workers: list[Any]) -> None:
     for t in threads:
         t.join()
     for i, result in results.items():
-        assert all(r[0][0][5] == 100_000.0 * i for r in result)
+        assert result == fan_out(workers, np.full(100_000, float(i)))
     assert refshare.stats().puts == 6
 
 
@@ -350,7 +358,7 @@ def test_a_buffer_refilled_between_submissions_is_sent_anew(workers: list[Any]) 
         return ray.get(calls)
 
     results = refill_per_worker()
-    assert [r[0][0][5] for r in results] == [100_000.0 * i for i in range(N_WORKERS)]
+    assert results == by_value_fills(workers, 100_000)
     assert refshare.stats().puts == N_WORKERS
 
 
