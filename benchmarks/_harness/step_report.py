@@ -260,7 +260,8 @@ def ideal_and_audit(summary: dict[str, Any], labels: dict[str, str]) -> list[str
         "into the object store. Bytes: the report's repeated bytes of the audit's turn and "
         "of the default's, each turn's report its own (`refshare.reset_report()` before it). "
         "Time: the audit's report, `would_save_ms` (its calls' time in Ray's own `.remote()` "
-        "and `ray.put`, shared among their large arguments by bytes, the repeated ones' share "
+        "and `ray.put`, shared among their large arguments by bytes: the repeated ones' share, "
+        "and that of the tensors sharing would store as their bytes less one copy of them, "
         "less the audit's keying), against the median of each step's plain step time less "
         "the default's." + budget_line(summary),
         "",
