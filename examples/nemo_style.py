@@ -26,9 +26,9 @@ import refshare
 
 # CI cannot install NeMo-RL: the mirror of its code beside the tests stands in for it, here and
 # in Ray's workers (they inherit PYTHONPATH from the driver that starts Ray).
-MIRRORS = str(Path(__file__).resolve().parents[1] / "tests" / "mirrors")
-sys.path.insert(0, MIRRORS)
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (MIRRORS, os.environ.get("PYTHONPATH"))))
+MIRROR_DIR = str(Path(__file__).resolve().parents[1] / "tests" / "mirrors")
+sys.path.insert(0, MIRROR_DIR)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (MIRROR_DIR, os.environ.get("PYTHONPATH"))))
 from nemo_rl_mirror import PUTS, NamedSharding, RayWorkerGroup, grpo_step  # noqa: E402
 
 # -- a worker and the steps -----------------------------------------------------------------

@@ -50,9 +50,9 @@ import refshare  # noqa: E402
 
 # CI cannot install OpenRLHF: the mirror of its code beside the tests stands in for it, here and
 # in Ray's workers (they inherit PYTHONPATH from the driver that starts Ray).
-MIRRORS = str(Path(__file__).resolve().parents[1] / "tests" / "mirrors")
-sys.path.insert(0, MIRRORS)
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (MIRRORS, os.environ.get("PYTHONPATH"))))
+MIRROR_DIR = str(Path(__file__).resolve().parents[1] / "tests" / "mirrors")
+sys.path.insert(0, MIRROR_DIR)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (MIRROR_DIR, os.environ.get("PYTHONPATH"))))
 from openrlhf_mirror import PUTS, BaseModelActor, Experience, RayActorGroup, ppo_step  # noqa: E402
 
 # -- the workers and the steps -----------------------------------------------------------------

@@ -38,9 +38,9 @@ except ImportError:  # numpy arrays stand in for CPU tensors
 
 # CI cannot install SkyRL: the mirror of its code beside the tests stands in for it, here and
 # in Ray's workers (they inherit PYTHONPATH from the driver that starts Ray).
-MIRRORS = str(Path(__file__).resolve().parents[1] / "tests" / "mirrors")
-sys.path.insert(0, MIRRORS)
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (MIRRORS, os.environ.get("PYTHONPATH"))))
+MIRROR_DIR = str(Path(__file__).resolve().parents[1] / "tests" / "mirrors")
+sys.path.insert(0, MIRROR_DIR)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (MIRROR_DIR, os.environ.get("PYTHONPATH"))))
 import skyrl_mirror  # noqa: E402
 from skyrl_mirror import (  # noqa: E402
     PUTS,
