@@ -199,3 +199,4 @@ def grpo_step(group: RayWorkerGroup, rollout: dict[str, np.ndarray]) -> None:
     ref = sharded_call(group, "get_reference_policy_logprobs", logprob_data, micro_batch_size=4)
     ref_logprobs = BatchedDataDict.from_batches(ref)["reference_logprobs"]
     train_data["reference_policy_logprobs"] = ref_logprobs
+    sharded_call(group, "train", train_data, loss_fn="ClippedPGLossFn", eval_mode=False, mbs=4)

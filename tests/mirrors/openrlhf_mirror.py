@@ -203,6 +203,3 @@ def ppo_step(
     ray.get(refs)
     refs = groups[2].async_run_method(method_name="fit")  # by value: nothing large here
     ray.get(refs + groups[1].async_run_method(method_name="fit", kl_ctl=0.01))
-
-
-Step = tuple[list[dict[str, torch.Tensor]], bool, bool]  # rollout, colocate_all, a worker writes
