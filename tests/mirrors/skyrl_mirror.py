@@ -38,6 +38,7 @@ benchmarks/skyrl_step.py times it).
 from __future__ import annotations
 
 import io
+import os
 import zlib
 from collections import Counter
 from dataclasses import dataclass
@@ -49,10 +50,16 @@ import ray
 import refshare
 from refshare._integrations import skyrl as skyrl_integration
 
+#: Set where torch is missing (before Ray starts, so that workers inherit it): workers, which
+#: import this module by name, then hold numpy arrays too, even where they have torch.
+NUMPY_ENV = "SKYRL_MIRROR_NUMPY"
 try:
+    if os.environ.get(NUMPY_ENV) == "1":
+        raise ImportError(f"{NUMPY_ENV}=1")
     import torch
 except ImportError:  # numpy arrays stand in for CPU tensors
     torch = None
+    os.environ[NUMPY_ENV] = "1"
 
 #: Under REFSHARE_VERIFY=1 refshare also serializes each argument by value, to check it.
 PUTS: Counter[str] = Counter()  # the examples' counter, for the "without refshare" column
