@@ -1,8 +1,8 @@
 """NeMo-RL step replay: policy log-probs, reference log-probs and train, plain, refshare, deep.
 
 NeMo-RL ships no package to install here, so the parts that decide transport are mirrored
-from NeMo-RL main (commit 7ea279a), in ``examples/nemo_style.py`` (used here with batches of
-torch tensors, as NeMo-RL's are): ``nemo_rl/distributed/batched_data_dict.py``
+from NeMo-RL main (commit 7ea279a), in ``tests/mirrors/nemo_rl_mirror.py`` (used here with
+batches of torch tensors, as NeMo-RL's are): ``nemo_rl/distributed/batched_data_dict.py``
 (``BatchedDataDict``, a ``collections.UserDict``; ``shard_by_batch_size`` without dynamic
 batching, which copies each shard's rows) and ``nemo_rl/distributed/worker_groups.py``
 (``RayWorkerGroup.run_all_workers_sharded_data``, which ``ray.put``s every DP shard when a
@@ -67,9 +67,9 @@ MODES = {
 }
 
 
-# -- NeMo-RL main (7ea279a), mirrored once, in examples/nemo_style.py -------------------------
+# -- NeMo-RL main (7ea279a), mirrored once, in tests/mirrors/nemo_rl_mirror.py ----------------
 
-nemo = steps.example("nemo_style")
+nemo = steps.mirror("nemo_rl_mirror")
 BatchedDataDict, NamedSharding, RayWorkerGroup = (
     nemo.BatchedDataDict,
     nemo.NamedSharding,

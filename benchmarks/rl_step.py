@@ -31,7 +31,7 @@ rewards, advantages and returns. Its strategies add **auto**, refshare's default
 (``steps.AUTO_OPTIONS``: top-level sharing until refshare has such a mode). Needs tensordict.
 
 Backends: **verl** (its ``RayWorkerGroup`` and ``@register`` on a CPU resource pool, and its
-own conversions) and **mirror** (``examples/_verl_mirror.py``, no verl).
+own conversions) and **mirror** (``tests/mirrors/verl_mirror.py``, no verl).
 
     python benchmarks/rl_step.py --backend verl --dispatch nd   # about 3 minutes
     python benchmarks/rl_step.py --smoke                        # tiny batch: seconds
@@ -56,8 +56,8 @@ from _harness.report import DASH, TIMES, MiB, cannot_plot, machine_lines
 from _harness.step_report import goals, setup_lines, step_report
 from _harness.steps import Turn
 
-steps.examples_importable()  # the mirror, by reference in every worker, as verl's package is
-import _verl_mirror as mirror  # noqa: E402
+steps.mirrors_importable()  # the mirror, by reference in every worker, as verl's package is
+import verl_mirror as mirror  # noqa: E402
 
 CALLS = ("sync_weights", "compute_log_prob", "compute_ref_log_prob", "compute_values")
 CALLS += ("update_critic", "update_actor")
@@ -222,7 +222,7 @@ def mirror_backend(dispatch: str) -> Backend:
     compute = (lambda mesh: m.Dispatch.DP_COMPUTE_PROTO) if dispatch == "dp" else nd
     worker = worker_class(m.Worker, m.register, m.Dispatch.ONE_TO_ALL, compute, m.DataProto)
     group = m.RayWorkerGroup(worker, WORLD, ACTOR_CPUS)
-    label = f"mirror of {m.MIRRORS} (examples/_verl_mirror.py), batch as {m.BATCH_TYPE}"
+    label = f"mirror of {m.MIRRORS} (tests/mirrors/verl_mirror.py), batch as {m.BATCH_TYPE}"
     targets = [(m.RayWorkerGroup, ("execute_all_async",)), (m, ("parallel_put",))]
     sharing = steps.Sharing(targets[:1] if dispatch == "dp" else targets)
     own = SimpleNamespace(convert=m.convert, chunk=m.chunk_batch)

@@ -1,7 +1,7 @@
 """ROLL step replay: reference log-probs, critic values and actor train, plain and refshare.
 
 ROLL ships no package to install here, so the parts that decide transport are mirrored from
-ROLL main (commit 8eb27cc2), in ``examples/roll_style.py``: ``roll/distributed/executor/
+ROLL main (commit 8eb27cc2), in ``tests/mirrors/roll_mirror.py``: ``roll/distributed/executor/
 cluster.py`` (``Cluster``: one actor per rank, each ``@register``ed method bound at build,
 the fan-out in ``execute_all_async``), ``roll/distributed/scheduler/decorator.py`` (the
 DP-MP dispatches) and ``roll/distributed/scheduler/protocol.py`` (``DataProto``: ``chunk``
@@ -12,7 +12,7 @@ module names, in the driver and in every worker as it imports this module, so th
 ROLL's.
 
 One step of RLVR with GAE (``roll/pipeline/rlvr/rlvr_pipeline.py``) on three clusters of
-dp 2 x tp 2 (12 workers), with a batch as ``roll_style.make_batch`` has it: 64 rows of 1024
+dp 2 x tp 2 (12 workers), with a batch as ``roll_mirror.make_batch`` has it: 64 rows of 1024
 prompt and 3072 response tokens (prompts, responses, input_ids, attention_mask,
 response_mask, position_ids int64 and prompt_id; domain and sample_uuid object arrays;
 ``meta_info``). ``reference.compute_log_probs``, its ``log_probs`` renamed ``ref_log_probs``
@@ -43,9 +43,9 @@ from _harness.report import TIMES, MiB
 from _harness.step_report import goals, setup_lines, step_report
 from _harness.steps import Turn
 
-steps.examples_importable()  # the mirror, by reference in every worker, as ROLL's package is
-import roll_style  # noqa: E402
-from roll_style import (  # noqa: E402
+steps.mirrors_importable()  # the mirror, by reference in every worker, as ROLL's package is
+import roll_mirror  # noqa: E402
+from roll_mirror import (  # noqa: E402
     Cluster,
     DataProto,
     Dispatch,
@@ -62,12 +62,12 @@ def publish() -> None:
     the driver: as ``__main__``, then imported)."""
     cluster = sys.modules.get("roll.distributed.executor.cluster")
     if getattr(cluster, "Cluster", None) is not Cluster:
-        roll_style.publish_as_roll()
+        roll_mirror.publish_as_roll()
 
 
 publish()  # here, so that each worker has it before it unpickles a DataProto
 
-DP, TP = roll_style.DP, roll_style.TP
+DP, TP = roll_mirror.DP, roll_mirror.TP
 WORLD = DP * TP  # ranks per cluster, dp-major: rank = dp_rank * TP + tp_rank
 ACTOR_CPUS = 0.01  # what the mirror's Cluster gives each rank, as ROLL's does
 INLINE_BYTES = 100 * 1024  # Ray sends a by-value argument up to this size inline, unstored
@@ -122,7 +122,7 @@ class RLVRWorker(Worker):
     def receive(self, data: DataProto) -> bool:
         """Log a checksum of ``data``; whether it holds a batch (dispatching first, only TP
         rank 0's does: the others compute on what it broadcasts)."""
-        self.received.append(roll_style.checksum(data))
+        self.received.append(roll_mirror.checksum(data))
         return data._batch is not None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -158,7 +158,7 @@ class RLVRWorker(Worker):
 
 def make_batch(config: Config, step: int) -> DataProto:
     """New content every step (the same for every strategy of a step)."""
-    parts = roll_style.make_batch(step, config.rows, config.prompt, config.response)
+    parts = roll_mirror.make_batch(step, config.rows, config.prompt, config.response)
     return DataProto.from_dict(*parts)
 
 
@@ -200,7 +200,7 @@ def run_step(clusters: dict[str, Cluster], batch: DataProto, strategy: str, shar
     # per rank, where it is too large to go inline.
     for name, data in sent.items():
         cluster, dispatch = CALLS[name]
-        dispatch_fn = roll_style.predefined_dispatch_mode_fn[dispatch]["dispatch_fn"]
+        dispatch_fn = roll_mirror.predefined_dispatch_mode_fn[dispatch]["dispatch_fn"]
         (per_rank,), _ = dispatch_fn(clusters[cluster], data)
         sizes = [steps.by_value_bytes([chunk]) for chunk in per_rank]
         turn.store(name, sum(size for size in sizes if size > INLINE_BYTES))
@@ -237,10 +237,10 @@ def run(config: Config) -> dict[str, Any]:
     finally:
         for cluster in clusters.values():
             session.stop_group(cluster)
-    batch_type = "stand-in" if not roll_style.HAS_TENSORDICT else "tensordict"
+    batch_type = "stand-in" if not roll_mirror.HAS_TENSORDICT else "tensordict"
     return {
         "patch": sharing.how,
-        "tensordict": f"{batch_type} {roll_style.tensordict.__version__}",
+        "tensordict": f"{batch_type} {roll_mirror.tensordict.__version__}",
         **record,
         "goals": goals(record["summary"], broadcast_hit=None),
     }
@@ -270,8 +270,8 @@ def report(results: dict[str, Any]) -> str:
         "other rank gets `meta_info` alone), to both TP ranks for the critic's "
         "(`DP_MP_COMPUTE`).",
         "",
-        f"Mirror of {roll_style.MIRRORS}, in `examples/roll_style.py`, published under ROLL's "
-        f'module names; refshare on for its turns only, through `refshare.enable("roll")`: '
+        f"Mirror of {roll_mirror.MIRRORS}, in `tests/mirrors/roll_mirror.py`, published under "
+        f'ROLL\'s module names; refshare on for its turns only, through `refshare.enable("roll")`: '
         f"{r['patch']}.",
         "",
         *step_report(r["summary"], labels, r["goals"], "Goals (the RL-step ones)"),

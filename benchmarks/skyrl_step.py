@@ -1,13 +1,14 @@
 """SkyRL step replay: critic, reference and policy forwards, critic and policy training.
 
-SkyRL 0.4.0's dispatch is mirrored once, in ``examples/skyrl_style.py`` (``TrainingInputBatch``,
-``MeshDispatch``, ``PPORayActorGroup``, ``WorkerDispatch``, ``fwd_logprobs_values_reward``).
-The training step, which that example leaves out, is mirrored here, from the ``skyrl`` package:
-``train/trainer.py`` (the step, 416-442; ``compute_advantages_and_returns``, 1151-1261;
-``fwd_logprobs_values_reward``'s end, 1400-1411; ``_normalize_advantages``, 1497-1537;
-``_execute_training_step``, 1539-1584; ``train_critic_and_policy``, 1586-1612) and
-``backends/skyrl_train/workers/worker_dispatch.py`` (``forward_backward_from_staged``, 400-444;
-``optim_step``, 446-461; ``_save_memory_snapshot``, 538-542; ``empty_cache``, 615-623).
+SkyRL 0.4.0's dispatch is mirrored once, in ``tests/mirrors/skyrl_mirror.py``
+(``TrainingInputBatch``, ``MeshDispatch``, ``PPORayActorGroup``, ``WorkerDispatch``,
+``fwd_logprobs_values_reward``). The training step, which that mirror leaves out, is
+mirrored here, from the ``skyrl`` package: ``train/trainer.py`` (the step, 416-442;
+``compute_advantages_and_returns``, 1151-1261; ``fwd_logprobs_values_reward``'s end,
+1400-1411; ``_normalize_advantages``, 1497-1537; ``_execute_training_step``, 1539-1584;
+``train_critic_and_policy``, 1586-1612) and ``backends/skyrl_train/workers/worker_dispatch.py``
+(``forward_backward_from_staged``, 400-444; ``optim_step``, 446-461; ``_save_memory_snapshot``,
+538-542; ``empty_cache``, 615-623).
 
 One PPO step, with a critic, a reference and a policy of 2 DP ranks each (6 workers), on a batch
 of 128 sequences of 4096 tokens (1024 of response), as ``convert_to_training_input`` makes it:
@@ -75,9 +76,9 @@ MODES = {
 }
 
 
-# -- SkyRL 0.4.0, mirrored once, in examples/skyrl_style.py -----------------------------------
+# -- SkyRL 0.4.0, mirrored once, in tests/mirrors/skyrl_mirror.py ----------------------------
 
-skyrl = steps.example("skyrl_style")
+skyrl = steps.mirror("skyrl_mirror")
 TrainingInputBatch, MeshDispatch, PPORayActorGroup, WorkerDispatch = (
     skyrl.TrainingInputBatch,
     skyrl.MeshDispatch,
@@ -189,7 +190,7 @@ def execute_training_step(dispatch: TrainDispatch, model: str, data: Any) -> dic
 
 
 class Worker:
-    """A critic, reference or policy worker: logs skyrl_style's checksum of every batch."""
+    """A critic, reference or policy worker: logs skyrl_mirror's checksum of every batch."""
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
@@ -350,7 +351,7 @@ def report(results: dict[str, Any]) -> str:
         "and DP rank, the policy's with its advantages normalized (a new tensor), and run "
         "`forward_backward`, `optim_step` and the memory-snapshot calls per mini-batch.",
         "",
-        "Mirror of SkyRL 0.4.0 (`examples/skyrl_style.py`, its training step in this file); "
+        "Mirror of SkyRL 0.4.0 (`tests/mirrors/skyrl_mirror.py`, its training step in this file); "
         f"refshare on for its turns only, as {r['patch']} (what "
         '`refshare.enable("skyrl")` wraps; `stage_chunks` is a classmethod).',
         "",

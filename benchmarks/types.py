@@ -127,8 +127,8 @@ def batch_classes() -> tuple[Any, str, Any, str]:
 
         dp, dp_is = DataProto, f"real verl {verl.__version__} DataProto"
     except ImportError:
-        steps.examples_importable()
-        import _verl_mirror as mirror
+        steps.mirrors_importable()
+        import verl_mirror as mirror
 
         dp, dp_is = mirror.DataProto, f"mirror of {mirror.MIRRORS} (batch: {mirror.BATCH_TYPE})"
     return bdd, bdd_is, dp, dp_is
@@ -220,18 +220,19 @@ def rows(cfg: Config) -> Iterator[Callable[[], Row]]:
 
 def roll_dataproto_row(cols: int) -> Row:
     """ROLL's ``DataProto``, the real one if importable, else the mirror of main 8eb27cc2 in
-    ``examples/roll_style.py`` under ROLL's module names (as refshare then finds it): the
+    ``tests/mirrors/roll_mirror.py`` under ROLL's module names (as refshare then finds it): the
     same tensors, uids beside them and ``meta_info``, pickled through ``torch.save``."""
     try:
         from roll.distributed.scheduler.protocol import DataProto
 
         cls, note = DataProto, "real ROLL DataProto"
     except ImportError:
-        steps.examples_importable()
-        import roll_style
+        steps.mirrors_importable()
+        import roll_mirror
 
-        roll_style.publish_as_roll()
-        cls, note = roll_style.DataProto, "mirror of ROLL main 8eb27cc2 (examples/roll_style.py)"
+        roll_mirror.publish_as_roll()
+        cls = roll_mirror.DataProto
+        note = "mirror of ROLL main 8eb27cc2 (tests/mirrors/roll_mirror.py)"
     uids = np.array([f"uid-{i}" for i in range(256)], object)
 
     def batch() -> Any:
@@ -246,18 +247,18 @@ def roll_dataproto_row(cols: int) -> Row:
 
 def training_input_row(cols: int) -> Row:
     """SkyRL's ``TrainingInputBatch``, the real one if importable, else the mirror of 0.4.0
-    in ``examples/skyrl_style.py``: four fields and its metadata, pickled by its own
+    in ``tests/mirrors/skyrl_mirror.py``: four fields and its metadata, pickled by its own
     ``__reduce__``."""
     try:
         from skyrl.backends.skyrl_train.training_batch import TrainingInputBatch
 
         cls, note = TrainingInputBatch, "real skyrl TrainingInputBatch"
     except ImportError:
-        steps.examples_importable()
-        import skyrl_style
+        steps.mirrors_importable()
+        import skyrl_mirror
 
-        cls = skyrl_style.TrainingInputBatch
-        note = "mirror of SkyRL 0.4.0 (examples/skyrl_style.py)"
+        cls = skyrl_mirror.TrainingInputBatch
+        note = "mirror of SkyRL 0.4.0 (tests/mirrors/skyrl_mirror.py)"
 
     def batch() -> Any:
         made = cls({k: v.clone() for k, v in fields.items()})

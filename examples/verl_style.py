@@ -1,6 +1,7 @@
 """verl 0.9.1's dispatch, mirrored: one batch for actor, reference and critic, with refshare.
 
-The mirror of verl 0.9.1 is ``_verl_mirror.py`` beside this file (the benchmarks use it too).
+The mirror of verl 0.9.1 is tests/mirrors/verl_mirror.py (the tests and the benchmarks use it
+too).
 A group method is a ``Functor`` from ``func_generator``: dispatch, then ``execute_all`` ->
 ``execute_all_async``, which gives the i-th item of list arguments to the i-th worker.
 ONE_TO_ALL sends ``[arg] * world_size`` by value; the nd-compute dispatch chunks the batch
@@ -24,18 +25,26 @@ Run: python examples/verl_style.py
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import _verl_mirror as mirror
 import ray
 import torch
 
 import refshare
+
+# CI cannot install verl's GPU stack: the mirror of its code beside the tests stands in for it,
+# here and in Ray's workers (they inherit PYTHONPATH from the driver that starts Ray).
+MIRROR_DIR = str(Path(__file__).resolve().parents[1] / "tests" / "mirrors")
+sys.path.insert(0, MIRROR_DIR)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (MIRROR_DIR, os.environ.get("PYTHONPATH"))))
+import verl_mirror as mirror  # noqa: E402
 
 TALLY: Counter[str] = Counter()  # the example's counters, for the "without refshare" column
 MiB = 1 << 20

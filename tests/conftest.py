@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -20,10 +21,13 @@ T = TypeVar("T")
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Workers start from the raylet's environment: let them import the test modules whose
-# classes and functions the tests send them.
+# classes and functions the tests send them, and the mirrors of framework code (mirrors/,
+# imported here and there by module name, as the frameworks' own packages are).
 _TESTS = os.path.dirname(os.path.abspath(__file__))
+_MIRRORS = os.path.join(_TESTS, "mirrors")
+sys.path.insert(0, _MIRRORS)
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (_TESTS, os.environ.get("PYTHONPATH", "")) if p
+    p for p in (_TESTS, _MIRRORS, os.environ.get("PYTHONPATH", "")) if p
 )
 
 skyrl_wheel.stand_in()

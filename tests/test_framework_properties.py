@@ -21,7 +21,7 @@ less, an in-place edit), both built afresh and applied in place to the very obje
 
 The classes are the frameworks' own where they import, else the repo's mirrors: SkyRL
 0.4.0's in tests/test_skyrl.py (registered as refshare registers SkyRL's own class), and
-NeMo-RL's in examples/nemo_style.py, published under NeMo-RL's module path
+NeMo-RL's in tests/mirrors/nemo_rl_mirror.py, published under NeMo-RL's module path
 (``nemo_rl.distributed.batched_data_dict``), where refshare finds it as NeMo-RL's. A worker
 publishes the mirror when it imports this module, which the receivers below make it do.
 """
@@ -36,7 +36,6 @@ import itertools
 import pickle
 import sys
 import types
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,7 +51,6 @@ import refshare
 torch = pytest.importorskip("torch")
 
 THIS = "test_framework_properties"  # this module, as the workers import it
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DTYPES = {
     "float32": torch.float32,
     "int64": torch.int64,
@@ -92,17 +90,15 @@ NEMO_MODULE = "nemo_rl.distributed.batched_data_dict"
 
 
 def publish_nemo_mirror() -> None:
-    """Give the mirror of NeMo-RL's ``BatchedDataDict`` (examples/nemo_style.py) NeMo-RL's
-    module path in this process, as ``roll_style.publish_as_roll`` does for ROLL: refshare
+    """Give the mirror of NeMo-RL's ``BatchedDataDict`` (tests/mirrors/nemo_rl_mirror.py)
+    NeMo-RL's module path in this process, as ``roll_style.publish_as_roll`` does for ROLL: refshare
     then finds it, lazily, as NeMo-RL's class, and pickles name it by reference as they name
     NeMo-RL's. A worker must publish it too before it unpickles one."""
     if NEMO_MODULE in sys.modules:
         return
     if "nemo_rl" in sys.modules:
         raise RuntimeError("NeMo-RL is imported here: the mirror cannot take its names")
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import nemo_style  # type: ignore[import-not-found]
+    import nemo_rl_mirror as nemo_style  # type: ignore[import-not-found]
 
     for name in ("nemo_rl", "nemo_rl.distributed", NEMO_MODULE):
         sys.modules[name] = types.ModuleType(name)

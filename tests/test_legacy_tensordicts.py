@@ -11,8 +11,6 @@ The nested tensors need torch only; the TensorDict cases run where tensordict im
 from __future__ import annotations
 
 import pickle
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,12 +41,11 @@ def both_ways(value: Any, **options: Any) -> tuple[list[Any], list[Any]]:
 
 
 def verl_mirror() -> Any:
-    """The one mirror of verl 0.9.1 (examples/_verl_mirror.py); its TensorDict parts need
+    """The one mirror of verl 0.9.1 (tests/mirrors/verl_mirror.py); its TensorDict parts need
     tensordict, its rollouts torch only."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import _verl_mirror
+    import verl_mirror
 
-    return _verl_mirror
+    return verl_mirror
 
 
 def padded_batch(seed: int = 0) -> dict[str, Any]:

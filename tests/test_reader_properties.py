@@ -241,10 +241,8 @@ def _roll_dataproto() -> Any:
     import os
     import sys
     import tempfile
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import roll_style
+    import roll_mirror as roll_style
 
     os.environ.setdefault("ROLL_LOG_DIR", os.path.join(tempfile.gettempdir(), "roll-test-logs"))
     if not roll_style.roll_is_installed() and "roll" not in sys.modules:

@@ -2,15 +2,15 @@
 
 The ``DataProto`` under test is ROLL's own where ROLL imports (``PYTHONPATH=/path/to/ROLL``
 in a venv with its dependencies), else the mirror of ROLL main 8eb27cc2 in
-``examples/roll_style.py``, published under ROLL's module names by its
+``tests/mirrors/roll_mirror.py``, published under ROLL's module names by its
 ``publish_as_roll()``. That is the simplest faithful option: refshare registers its ROLL
 support, lazily, for the class ``roll.distributed.scheduler.protocol.DataProto``, and finds
 the mirror's there exactly as it finds ROLL's, with no registration made for the tests; and
 pickles name the mirror's classes by reference, as they name ROLL's. A worker publishes the
 mirror too when it imports this module, which it does before it unpickles any argument of
-the tasks and actors defined here (tests/ is on the workers' path, and this module puts
-examples/ on it). Where tensordict is missing, the batch is the mirror's stand-in of
-tensordict 0.10.0's ``TensorDict``.
+the tasks and actors defined here (tests/ and tests/mirrors/ are on the workers' path). Where
+tensordict is missing, the batch is the mirror's stand-in of tensordict 0.10.0's
+``TensorDict``.
 
 The clusters are the mirror's (``Cluster``, ``func_generator``, the DP-MP dispatch), wrapped
 through ``enable("roll")`` pointed at them as tests/test_frameworks.py points it; where ROLL
@@ -30,7 +30,6 @@ import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,9 +45,7 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.usefixtures("local_ray", "fresh")
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-import roll_style  # noqa: E402
+import roll_mirror as roll_style  # noqa: E402
 
 PROTOCOL = "roll.distributed.scheduler.protocol"
 # ROLL's logger writes to ./output/logs unless told otherwise, here and in workers.
@@ -542,7 +539,7 @@ def per_chunk(cluster: Any, data: Any) -> list[int]:
 @pytest.mark.verify_off  # counts serializations, which verify adds to
 def test_enable_and_disable_roll_on_a_mirrored_cluster(cluster: Any, monkeypatch: Any) -> None:
     methods = ("execute_all_async", "execute_rank_zero_async")
-    target = internals.Target("roll_style", "Cluster", methods)
+    target = internals.Target("roll_mirror", "Cluster", methods)
     monkeypatch.setitem(
         internals.FRAMEWORKS, "roll", internals.Framework("roll", "test", ((target,),))
     )

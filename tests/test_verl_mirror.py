@@ -1,4 +1,4 @@
-"""examples/_verl_mirror.py against the real verl 0.9.1: what the mirror sends is what verl
+"""tests/mirrors/verl_mirror.py against the real verl 0.9.1: what the mirror sends is what verl
 sends. Runs where verl and tensordict import (``.ci/run`` has a venv for them).
 
 The legacy trainer's conversions and the dispatch's chunks are compared by their pickles, in
@@ -14,8 +14,6 @@ import io
 import pickle
 import pickletools
 import struct
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,11 +25,9 @@ padding = pytest.importorskip("verl.workers.utils.padding")
 tu = pytest.importorskip("verl.utils.tensordict_utils")
 
 import numpy as np  # noqa: E402
+import verl_mirror as mirror  # noqa: E402
 
 import refshare  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import _verl_mirror as mirror  # noqa: E402
 
 ROWS, PROMPT, RESPONSE = 64, 256, 256
 CALLS = {name: flags for name, _, flags in mirror.legacy_calls(ROWS)}

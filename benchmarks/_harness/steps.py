@@ -187,19 +187,19 @@ def by_value_bytes(values: Iterable[Any]) -> int:
     return sum(len(pickle.dumps(value, protocol=5)) for value in values)
 
 
-def example(name: str) -> ModuleType:
-    """``examples/<name>.py``, imported as a framework's installed package is: by reference,
-    here and in every worker (see :func:`examples_importable`), so that Ray pickles its
-    classes by name, as it pickles the framework's. Call it before Ray starts."""
-    examples_importable()
+def mirror(name: str) -> ModuleType:
+    """``tests/mirrors/<name>.py``, imported as a framework's installed package is: by
+    reference, here and in every worker (see :func:`mirrors_importable`), so that Ray pickles
+    its classes by name, as it pickles the framework's. Call it before Ray starts."""
+    mirrors_importable()
     return importlib.import_module(name)
 
 
-def examples_importable() -> None:
-    """Make ``examples/`` importable here and in every Ray worker started from now on (they
-    inherit ``PYTHONPATH``), so that a module there pickles by reference, as a framework's
-    package does. Call it before Ray starts."""
-    path = str(REPO / "examples")
+def mirrors_importable() -> None:
+    """Make the mirrors of framework code (``tests/mirrors/``) importable here and in every Ray
+    worker started from now on (they inherit ``PYTHONPATH``), so that a module there pickles
+    by reference, as a framework's package does. Call it before Ray starts."""
+    path = str(REPO / "tests" / "mirrors")
     if path not in sys.path:
         sys.path.append(path)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
