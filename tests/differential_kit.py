@@ -410,6 +410,13 @@ def describe_content(value: Any) -> Any:
     return describer.visit(value), None
 
 
+def checksums(*values: Any) -> list[Any]:
+    """Per value, described apart, what :func:`describe_content` tells of it (an array by its
+    class, dtype, shape and a digest of its bytes): for large payloads, where a worker's
+    read-only array is to be compared with the driver's writable one."""
+    return [describe_content(value)[0] for value in values]
+
+
 def fields(node: Any) -> dict[str, Any]:
     """The fields of one described array, tensor or object (a ``(index, body)`` node of a
     description), by the names in ``FIELDS``."""

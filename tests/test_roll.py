@@ -27,7 +27,6 @@ import os
 import pickle
 import sys
 import tempfile
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -38,6 +37,7 @@ import numpy as np
 import pytest
 import ray
 import wrapt
+from differential_kit import class_of, describe_content, describe_fully, fields
 
 import refshare
 
@@ -99,48 +99,42 @@ def counted_saves() -> Iterator[list[int]]:
 # -- what a worker receives ---------------------------------------------------------------------
 
 
-def describe_tensor(t: Any, storages: list[int]) -> Any:
-    storage = t.untyped_storage()
-    if storage.data_ptr() not in storages:
-        storages.append(storage.data_ptr())
-    whole = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
-    return (
-        type(t).__name__, str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(),
-        storage.nbytes(), t.requires_grad, zlib.crc32(whole),
-        storages.index(storage.data_ptr()),  # which storage: the batch's aliasing
-    )  # fmt: skip
+def as_received(data: Any) -> Any:
+    """What a worker can see of a ``DataProto`` (the shared describer: its fields, its batch's
+    entries, every tensor's layout, bytes and storage, the arrays beside it, ``meta_info``),
+    and what the describer leaves out: the order of its fields (it tells attributes by
+    name), and which of its batch's keys are the very strings ``meta_info`` holds (it tells
+    strings by value)."""
+    return describe_fully(data), list(vars(data)), keys_named_elsewhere(data)
 
 
-def describe_batch(batch: Any, storages: list[int]) -> Any:
-    if batch is None:
-        return None
-    entries = []
-    for name in batch.keys():  # noqa: SIM118 (a TensorDict iterates over its rows)
-        value = batch[name]
-        if isinstance(value, torch.Tensor):
-            entries.append((name, describe_tensor(value, storages)))
-        else:
-            entries.append((name, describe_batch(value, storages)))
-    device = getattr(batch, "device", None)
-    return type(batch).__name__, tuple(batch.batch_size), str(device), entries
+def attributes(seen: Any) -> dict[str, Any]:
+    """The described fields of a received ``DataProto`` (see ``as_received``), by name."""
+    (node, _), *_ = seen
+    return dict(fields(node)["attributes"])
 
 
-def describe(data: Any) -> Any:
-    """What a worker can see of a ``DataProto``: its type and fields, in order; its batch's
-    entries, every tensor's layout, storage bytes and which storage it shares; the arrays
-    beside it (dtype, shape, flags, items); ``meta_info`` and the remote batch."""
-    fields = []
-    for name, value in vars(data).items():
-        if name in ("_batch", "batch"):
-            fields.append((name, describe_batch(value, [])))
-        elif isinstance(value, dict) and all(isinstance(v, np.ndarray) for v in value.values()):
-            arrays = [
-                (k, v.dtype.str, v.shape, v.flags.writeable, v.tolist()) for k, v in value.items()
-            ]
-            fields.append((name, arrays))
-        else:
-            fields.append((name, repr(value)))
-    return type(data).__name__, type(data).__module__, fields, keys_named_elsewhere(data)
+def meta_info_keys(seen: Any) -> list[Any]:
+    """The described keys of a received ``DataProto``'s ``meta_info``."""
+    _, (_, items, *_) = attributes(seen)["meta_info"]
+    return [k for k, _ in items]
+
+
+def storages(seen: Any) -> list[int]:
+    """Per tensor a worker received, in order, which storage it views (named by the first
+    tensor seen on it): the batch's aliasing."""
+
+    def tensors(node: Any) -> Iterator[Any]:
+        if isinstance(node, tuple) and len(node) == 2 and isinstance(node[0], int):
+            body = node[1]
+            if isinstance(body, tuple) and body[:1] == ("tensor",):
+                yield fields(node)
+                return
+        if isinstance(node, (list, tuple)):
+            for item in node:
+                yield from tensors(item)
+
+    return [t["storage, elements, shared storage"][2] for t in tensors(seen[0][0])]
 
 
 def keys_named_elsewhere(data: Any) -> list[str]:
@@ -164,7 +158,7 @@ def strings_in(value: Any) -> Iterator[str]:
 
 @ray.remote(num_cpus=0.05)
 def received(data: Any) -> Any:
-    return describe(data)
+    return as_received(data)
 
 
 def both_ways(value: Any, **options: Any) -> tuple[list[Any], list[Any]]:
@@ -224,10 +218,12 @@ def test_a_worker_receives_what_it_receives_by_value(case: str, options: dict[st
     value = CASES[case]()
     by_value, shared = both_ways(value, min_bytes=0, **options)
     assert shared == by_value
-    assert by_value[0][0:2] == ("DataProto", PROTOCOL)
-    if case == "aliased tensors":  # the check sees aliasing: both tensors on storage 0
-        assert [t[-1] for _, t in by_value[0][2][0][1][3]] == [0, 0]
-        assert [t[-1] for _, t in both_ways(apart())[0][0][2][0][1][3]] == [0, 1]
+    assert class_of(by_value[0][0][0]) == f"{PROTOCOL}.DataProto"
+    if case == "aliased tensors":  # the check sees aliasing: both tensors on one storage
+        first, second = storages(by_value[0])
+        assert first == second
+        first, second = storages(both_ways(apart())[0][0])
+        assert first != second
 
 
 def test_deep_sharing_stores_each_tensor_once() -> None:
@@ -408,11 +404,8 @@ def test_the_v02_layout_is_keyed_and_sent_as_its_pickling_sends_it() -> None:
     assert key(edited) != key(old())
     for options in ({}, {"deep": True}):
         by_value, shared = both_ways(old(), min_bytes=0, **options)
-        assert shared == by_value and [f for f, _ in by_value[0][2]] == [
-            "batch",
-            "non_tensor_batch",
-            "meta_info",
-        ]
+        order = by_value[0][1]
+        assert shared == by_value and order == ["batch", "non_tensor_batch", "meta_info"]
 
 
 # -- pickling changed from outside ROLL ---------------------------------------------------------
@@ -441,7 +434,7 @@ class Patched:
         hook_setstate()
 
     def received(self, data: Any) -> Any:
-        return describe(data)
+        return as_received(data)
 
 
 @pytest.mark.parametrize("deep", [None, True, False])
@@ -451,7 +444,7 @@ def test_a_setstate_the_worker_patched_runs_as_by_value(deep: Any) -> None:
     worker = Patched.remote()  # type: ignore[attr-defined]
     try:
         expected = ray.get(worker.received.remote(make()))
-        assert "seen_by_hook" in repr(expected)
+        assert describe_content("seen_by_hook")[0] in meta_info_keys(expected)
         with refshare.sharing(min_bytes=0, deep=deep):
             assert ray.get(worker.received.remote(make())) == expected
     finally:
@@ -477,7 +470,8 @@ def test_a_serializer_registered_with_ray_is_what_is_sent(deep: Any) -> None:
         by_value, shared = both_ways(make(), min_bytes=0, deep=deep)
     finally:
         ray.util.deregister_serializer(DataProto)
-    assert "through_ray_serializer" in repr(by_value) and by_value != first
+    marked = describe_content("through_ray_serializer")[0]
+    assert all(marked in meta_info_keys(seen) for seen in by_value) and by_value != first
     assert shared == by_value
 
 
@@ -501,7 +495,7 @@ class Member(roll_style.Worker):
 
     @roll_style.register(dispatch_mode=roll_style.Dispatch.DP_MP_COMPUTE)
     def compute(self, data: Any) -> list[Any]:
-        self.received.append(describe(data))
+        self.received.append(as_received(data))
         return [len(data)]
 
     @roll_style.register(dispatch_mode=roll_style.Dispatch.ONE_TO_ALL)
@@ -585,6 +579,13 @@ def mirrored(data: Any) -> Any:
     return roll_style.DataProto(data._batch, data._non_tensor_batch, None, data.meta_info)
 
 
+def but_class(data: Any) -> Any:
+    """All ``as_received`` tells of ``data`` but its class (the mirror's is another): its
+    fields, their order, the memory they share, the keys named elsewhere."""
+    (node, sharing), *rest = as_received(data)
+    return fields(node)["attributes"], sharing, rest
+
+
 @needs_roll
 def test_the_mirror_pickles_as_roll() -> None:
     for data in (make(), aliased(), views(), DataProto(batch=None, meta_info={"k": 1})):
@@ -600,7 +601,7 @@ def test_the_mirror_chunks_and_dispatches_as_roll() -> None:
 
     data = make(rows=3 * ROWS + 1)  # uneven: np.array_split sizes
     for ours, theirs in zip(mirrored(data).chunk(3), data.chunk(3), strict=True):
-        assert describe(ours)[2] == describe(theirs)[2]
+        assert but_class(ours) == but_class(theirs)
         assert ours.meta_info is theirs.meta_info is data.meta_info
 
     infos = [RankInfo(world_size=4, tp_size=2, dp_size=2, rank=r, tp_rank=r % 2, dp_rank=r // 2)
@@ -609,6 +610,6 @@ def test_the_mirror_chunks_and_dispatches_as_roll() -> None:
     for first in (False, True):
         (ours,), _ = roll_style._dispatch_dp_mp_compute(cluster, first, mirrored(make()))
         (theirs,), _ = decorator._dispatch_dp_mp_compute(cluster, first, make())
-        assert [describe(d)[2] for d in ours] == [describe(d)[2] for d in theirs]
+        assert [but_class(d) for d in ours] == [but_class(d) for d in theirs]
         assert [id(d) for d in ours[:2]].count(id(ours[0])) == (1 if first else 2)
         assert [id(d) for d in theirs[:2]].count(id(theirs[0])) == (1 if first else 2)

@@ -16,7 +16,6 @@ import importlib
 import io
 import pickle
 import random
-import zlib
 from collections import Counter
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -26,6 +25,7 @@ import internals
 import numpy as np
 import pytest
 import ray
+from differential_kit import describe_fully as describe
 
 import refshare
 
@@ -607,42 +607,6 @@ def test_enable_wraps_skyrls_own_methods() -> None:
 # -- through Ray -------------------------------------------------------------------------------
 
 
-def describe(batch: Any) -> Any:
-    """Everything a worker could tell about a batch it received."""
-
-    def tensor(t: Any) -> Any:
-        flat = t.contiguous().reshape(-1).view(torch.uint8)
-        return (
-            type(t).__name__,
-            str(t.dtype),
-            tuple(t.shape),
-            t.stride(),
-            t.storage_offset(),
-            t.untyped_storage().nbytes(),
-            t.is_contiguous(),
-            t.requires_grad,
-            zlib.crc32(flat.numpy().tobytes()),
-        )
-
-    fields = {}
-    for k, v in batch.items():
-        if v is None or isinstance(v, torch.Tensor):
-            fields[k] = None if v is None else tensor(v)
-        elif hasattr(v, "tensors"):
-            fields[k] = (type(v).__name__, [tensor(t) for t in v.tensors])
-        else:
-            fields[k] = (type(v).__name__, tensor(v.values), tensor(v.cu_seqlens))
-    return (
-        type(batch).__name__,
-        len(batch),
-        batch._batch_size,
-        batch._device,
-        batch.metadata,
-        sorted(vars(batch)),
-        fields,
-    )
-
-
 @ray.remote(num_cpus=0.1)
 class Worker:
     """A SkyRL worker's ``forward``: says what it received."""
@@ -802,17 +766,9 @@ def test_skyrl_train_031_batches_are_keyed_by_what_they_send() -> None:
         made.metadata = rng.choice([None, {"x": 1}])
         return made
 
-    def received(b: Any) -> str:
-        got = pickle.loads(pickled(b))
-        fields = [
-            (k, str(v.dtype), v.shape, v.stride(), v.storage_offset(), bytes(v.untyped_storage()))
-            for k, v in got.items()
-        ]
-        return repr((type(got), fields, got._batch_size, got._device, got.metadata))
-
     batches = [batch() for _ in range(200)]
     keys = [key(b) for b in batches]
-    sent = [received(b) for b in batches]
+    sent = [describe(pickle.loads(pickled(b))) for b in batches]
     assert None not in keys
     alike = [(i, j) for i in range(200) for j in range(i) if sent[i] == sent[j]]
     assert len(alike) > 20
