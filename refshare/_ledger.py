@@ -8,6 +8,8 @@ reads the tallies as they are, and ``stats()`` sums those of sharing (not of aud
 
 from __future__ import annotations
 
+import pickle
+import sys
 import threading
 import time
 from collections import Counter
@@ -66,6 +68,9 @@ class Tab:
     #: Of the distinct, bytes put in a form of refshare's own (tensors as their bytes), which
     #: costs a copy where by value runs torch's pickling (an audit's :class:`Timing`).
     as_bytes: int = 0
+    #: Bytes sent, found or put, in that form: its receiver reads them where by value's
+    #: unpickles them through torch.
+    tensors: int = 0
     unkeyed: int = 0
     put_call: bool = False
 
@@ -80,6 +85,7 @@ class Tab:
         self.distinct += nbytes
         if as_bytes:
             self.as_bytes += nbytes
+            self.tensors += nbytes
 
 
 class Tally:
@@ -140,6 +146,7 @@ class _Sending(threading.local):
     sent = 0
     repeated = 0
     as_bytes = 0
+    tensors = 0
     not_keying = 0.0
 
 
@@ -172,6 +179,30 @@ def copying(nbytes: int) -> float:
     return nbytes / _copy_rate[0]
 
 
+#: Seconds torch's unpickling takes a byte more than a copy, measured once (see
+#: :func:`unpickling`).
+_unpickle_cost: list[float] = []
+
+
+def unpickling(nbytes: int) -> float:
+    """About how many seconds more a receiver spends on ``nbytes`` of tensors sent by value
+    (rebuilt by torch's unpickling) than on their bytes as sharing sends them (a copy):
+    measured on first use in this process, on a tensor of :data:`_COPY_PROBE` bytes; none
+    where torch was never imported (no tensor was sent)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not nbytes:
+        return 0.0
+    if not _unpickle_cost:
+        pickled = pickle.dumps(torch.ones(_COPY_PROBE // 4), protocol=5)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            pickle.loads(pickled)
+            best = min(best, time.perf_counter() - start)
+        _unpickle_cost.append(max(0.0, best - copying(_COPY_PROBE)) / _COPY_PROBE)
+    return nbytes * _unpickle_cost[0]
+
+
 R = TypeVar("R")
 
 
@@ -182,13 +213,16 @@ class Timing:
     among the large arguments' is what sharing would not spend, and so is the share of the
     bytes sharing would store as their bytes (tensors, which by value pickles through torch:
     three copies) but for one copy; less the keying, which sharing would spend, it is what
-    it would save (see :meth:`Ledger.sent`)."""
+    the driver would save (see :meth:`Ledger.sent`). Its receiver would save unpickling
+    the tensors through torch (:func:`unpickling`): the receivers of one scope's calls
+    unpickle side by side, so the scope counts the slowest one's (see
+    :meth:`Ledger.close`)."""
 
     __slots__ = ("ledger", "start")
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
-        _sending.sent = _sending.repeated = _sending.as_bytes = 0
+        _sending.sent = _sending.repeated = _sending.as_bytes = _sending.tensors = 0
         _sending.not_keying = 0.0
         self.start = time.perf_counter()
 
@@ -204,11 +238,13 @@ class Timing:
 class Ledger:
     """What one scope counts into its site's tally."""
 
-    __slots__ = ("tally",)
+    __slots__ = ("receiving", "tally")
 
     def __init__(self, site: str, audit: bool) -> None:
         self.tally = tally(site, audit)
         self.tally.add((CALLS, 1))
+        #: An audit's: the most one receiver of this scope's calls would save (seconds).
+        self.receiving = 0.0
 
     @property
     def audit(self) -> bool:
@@ -238,6 +274,7 @@ class Ledger:
             _sending.sent += sent
             _sending.repeated += repeated
             _sending.as_bytes += min(tab.as_bytes, sent - repeated)
+            _sending.tensors += min(tab.tensors, sent)
 
     def timing(self) -> Timing | None:
         """A clock for the call about to be sent (auditing only: see :class:`Timing`)."""
@@ -254,8 +291,15 @@ class Ledger:
             share = sending * (found.repeated + found.as_bytes) / found.sent
             saved = share - copying(found.as_bytes) - keying
             self.tally.add((WOULD_SAVE_MS, saved * 1e3), (SENDING_MS, sending * 1e3))
-        found.sent = found.repeated = found.as_bytes = 0
+            self.receiving = max(self.receiving, unpickling(found.tensors))
+        found.sent = found.repeated = found.as_bytes = found.tensors = 0
         found.not_keying = 0.0
+
+    def close(self) -> None:
+        """The scope has ended: an audit counts what its slowest receiver would save."""
+        if self.receiving:
+            self.tally.add((WOULD_SAVE_MS, self.receiving * 1e3))
+            self.receiving = 0.0
 
     def by_value(self, reason: str) -> None:
         self.tally.note(BY_VALUE, reason)

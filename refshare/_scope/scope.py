@@ -226,6 +226,7 @@ class Scope:
             self.admission.record(kind, hit=got.found)
         if got.found:
             tab.hit(1, keyed.nbytes, keyed.nbytes if got.in_call else 0)
+            tab.tensors += keyed.nbytes if put_as_bytes(keyed.stored) else 0
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("hit  %d bytes, key %s", keyed.nbytes, keyed.key.hex()[:12])
         else:
@@ -301,11 +302,13 @@ class Scope:
             if g is None:
                 self.ledger.by_value("Ray refused a member's put")
                 return None
+            tensors = put_as_bytes(member.stored)
+            tab.tensors += member.nbytes if tensors else 0
             if g.found:
                 tab.hit(1, member.nbytes, member.nbytes if g.in_call else 0, member.nbytes)
             else:
                 tab.distinct += member.nbytes
-                tab.as_bytes += member.nbytes if put_as_bytes(member.stored) else 0
+                tab.as_bytes += member.nbytes if tensors else 0
                 holders.add(g.ref.ref if type(g.ref) is Bundled else g.ref)
             refs.append(g.ref)
         tab.puts += len(holders)
@@ -335,8 +338,10 @@ class Scope:
         return nbytes if complete else estimate_size(value)
 
     def close(self) -> None:
-        """The call or block has ended: what it kept is let go of (see ``CallStore.close``)."""
+        """The call or block has ended: what it kept is let go of (see ``CallStore.close``),
+        and an audit's receivers counted (see ``Ledger.close``)."""
         self.store.close()
+        self.ledger.close()
 
     def ready(self) -> bool:
         """Whether Ray is running; bound to its session (see ``CallStore.bind``)."""
