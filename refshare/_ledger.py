@@ -164,18 +164,23 @@ _copy_rate: list[float] = []
 _COPY_PROBE = 8 << 20
 
 
+def _timed(fn: Callable[[], object]) -> float:
+    """The median seconds of a few runs of ``fn``: new memory each time, as a worker's."""
+    took = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        took.append(time.perf_counter() - start)
+    return sorted(took)[len(took) // 2]
+
+
 def copying(nbytes: int) -> float:
     """About how many seconds putting ``nbytes`` of a tensor's bytes takes: one copy into
-    new memory, as the object store makes, at the rate this process copies (the best of a
-    few copies of :data:`_COPY_PROBE` bytes, measured on first use)."""
+    new memory, as the object store makes, at the rate this process copies (a copy of
+    :data:`_COPY_PROBE` bytes, measured on first use)."""
     if not _copy_rate:
         source = np.ones(_COPY_PROBE, np.uint8)
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            np.array(source, copy=True)
-            best = min(best, time.perf_counter() - start)
-        _copy_rate.append(_COPY_PROBE / max(best, 1e-9))
+        _copy_rate.append(_COPY_PROBE / max(_timed(lambda: np.array(source, copy=True)), 1e-9))
     return nbytes / _copy_rate[0]
 
 
@@ -194,12 +199,8 @@ def unpickling(nbytes: int) -> float:
         return 0.0
     if not _unpickle_cost:
         pickled = pickle.dumps(torch.ones(_COPY_PROBE // 4), protocol=5)
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            pickle.loads(pickled)
-            best = min(best, time.perf_counter() - start)
-        _unpickle_cost.append(max(0.0, best - copying(_COPY_PROBE)) / _COPY_PROBE)
+        took = _timed(lambda: pickle.loads(pickled))
+        _unpickle_cost.append(max(0.0, took - copying(_COPY_PROBE)) / _COPY_PROBE)
     return nbytes * _unpickle_cost[0]
 
 

@@ -29,7 +29,7 @@ from .._ray.pickling import ship_by_value
 from . import bootstrap
 from .arrays import array_bytes
 from .strings import strings_form
-from .tensors import bytes_form, tensor_form
+from .tensors import bytes_form, storable_as_bytes, tensor_form
 
 logger = logging.getLogger("refshare")
 
@@ -222,8 +222,9 @@ class PickleOnPut:
 
 
 def put_as_bytes(stored: Any) -> bool:
-    """Whether ``stored`` is put with its tensors as their bytes (see :class:`PickleOnPut`)."""
-    return type(stored) is PickleOnPut
+    """Whether ``stored`` is put with its tensors as their bytes: a tensor (see
+    :func:`tensor_form`), or a value holding tensors (see :class:`PickleOnPut`)."""
+    return type(stored) is PickleOnPut or storable_as_bytes(stored)
 
 
 def stored_whole(value: Any, *, tensors: bool, pickled: Serialized | None = None) -> Any:
