@@ -180,10 +180,12 @@ def time_rows(summary: dict[str, Any]) -> list[list[str]]:
         return []
     ratio, would, saved = (summary[k] for k in ("would_to_saved_ms", "would_save_ms",
                                                  "default_saved_ms"))  # fmt: skip
+    low, _, high = summary.get("default_saved_quartiles_ms", (saved, saved, saved))
     return [
         ["would save (time): the audit's estimate ÷ the time the default saved per step "
          "(plain's step less the default's)",
-         f"{ratio:.2f}{TIMES} ({would:.1f} vs {saved:.1f} ms; Ray's calls that sent large "
+         f"{ratio:.2f}{TIMES} ({would:.1f} vs {saved:.1f} ms, each step's saving "
+         f"{low:.1f}{DASH}{high:.1f} ms between its quartiles; Ray's calls that sent large "
          f"arguments took {summary['sending_ms']:.1f} ms of the audit's step; plain again "
          f"saved {summary['control_saved_ms']:.1f} ms, the noise)",
          "within 25%", "yes" if abs(ratio - 1) <= 0.25 else "NO"],

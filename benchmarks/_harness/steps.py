@@ -423,10 +423,12 @@ def audited(steps: list[dict[str, Any]]) -> dict[str, Any]:
     audit = [t["turns"][AUDIT]["reported"] for t in steps]
     would_ms = median([a.get("would_save_ms", 0.0) for a in audit])
     saved_ms = -over_plain(AUTO, wall) * 1e3  # what the default saved, in the same steps
+    each_saved = [(wall(t["turns"]["plain"]) - wall(t["turns"][AUTO])) * 1e3 for t in steps]
     return {
         "would_save_ms": would_ms,
         "sending_ms": median([a.get("sending_ms", 0.0) for a in audit]),
         "default_saved_ms": saved_ms,
+        "default_saved_quartiles_ms": quartiles(each_saved),
         "control_saved_ms": -over_plain("control", wall) * 1e3,
         "would_to_saved_ms": _ratio(would_ms, saved_ms),
         "audit_over_plain_ms": over_plain(AUDIT, wall) * 1e3,
