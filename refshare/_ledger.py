@@ -8,7 +8,7 @@ reads the tallies as they are, and ``stats()`` sums those of sharing (not of aud
 
 from __future__ import annotations
 
-import pickle
+import io
 import sys
 import threading
 import time
@@ -184,22 +184,29 @@ def copying(nbytes: int) -> float:
     return nbytes / _copy_rate[0]
 
 
-#: Seconds torch's unpickling takes a byte more than a copy, measured once (see
-#: :func:`unpickling`).
+#: Seconds torch's unpickling of a tensor takes a byte more than a copy (see :func:`unpickling`).
 _unpickle_cost: list[float] = []
 
 
 def unpickling(nbytes: int) -> float:
     """About how many seconds more a receiver spends on ``nbytes`` of tensors sent by value
-    (rebuilt by torch's unpickling) than on their bytes as sharing sends them (a copy):
-    measured on first use in this process, on a tensor of :data:`_COPY_PROBE` bytes; none
-    where torch was never imported (no tensor was sent)."""
+    than on their bytes as sharing sends them (a copy). By value, torch's pickling sends a
+    tensor's storage as ``torch.save`` writes it and rebuilds it with ``torch.load``: timed
+    once in this process on :data:`_COPY_PROBE` bytes, through ``torch.serialization``'s
+    own functions (a program that wraps ``torch.save`` to count its calls sees none of
+    these). None where torch was never imported (no tensor was sent) or the timing fails."""
     torch = sys.modules.get("torch")
     if torch is None or not nbytes:
         return 0.0
     if not _unpickle_cost:
-        pickled = pickle.dumps(torch.ones(_COPY_PROBE // 4), protocol=5)
-        took = _timed(lambda: pickle.loads(pickled))
+        try:
+            saved = io.BytesIO()
+            probe = torch.ones(_COPY_PROBE // 4)._typed_storage()  # what a tensor pickles
+            torch.serialization.save(probe, saved, _use_new_zipfile_serialization=False)
+            data = saved.getvalue()
+            took = _timed(lambda: torch.serialization.load(io.BytesIO(data), weights_only=False))
+        except Exception:  # another torch: count nothing for the receivers
+            took = 0.0
         _unpickle_cost.append(max(0.0, took - copying(_COPY_PROBE)) / _COPY_PROBE)
     return nbytes * _unpickle_cost[0]
 
@@ -214,9 +221,9 @@ class Timing:
     among the large arguments' is what sharing would not spend, and so is the share of the
     bytes sharing would store as their bytes (tensors, which by value pickles through torch:
     three copies) but for one copy; less the keying, which sharing would spend, it is what
-    the driver would save (see :meth:`Ledger.sent`). Its receiver would save unpickling
-    the tensors through torch (:func:`unpickling`): the receivers of one scope's calls
-    unpickle side by side, so the scope counts the slowest one's (see
+    the driver would save (see :meth:`Ledger.sent`). Its receiver would save rebuilding
+    the tensors through torch's unpickling (:func:`unpickling`): the receivers of one
+    scope's calls do so side by side, so the scope counts the slowest one's (see
     :meth:`Ledger.close`)."""
 
     __slots__ = ("ledger", "start")

@@ -205,6 +205,39 @@ def test_share_in_an_audit_is_rays_own_put(
         assert row.audit and (row.puts, row.hits) == (1, 1)
 
 
+def test_an_audit_of_tensors_runs_none_of_the_programs_own_hooks(
+    readers: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An audit times what a receiver spends rebuilding tensors without going through the
+    program's ``torch.save`` (ROLL's example wraps it to count its batches, and a wrapper
+    that expects a batch failed on the audit's own probe): the program's hook runs as often
+    under audit as by value, and the estimate counts the receivers."""
+    torch = pytest.importorskip("torch")
+    calls: list[str] = []
+    save = torch.save
+
+    def counted(obj: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(type(obj).__name__)
+        return save(obj, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counted)
+    batch = {"x": torch.ones(1 << 20), "y": torch.arange(1 << 18)}  # 6 MiB of tensors
+    nbytes = sum(t.numel() * t.element_size() for t in batch.values())
+
+    def fan_out() -> list[Any]:
+        return ray.get([r.read.remote(batch) for r in readers])
+
+    by_value = fan_out()
+    by_value_saves = len(calls)
+    calls.clear()
+    audited = refshare.shared_args(audit=True, cache=refshare.RefCache())(fan_out)()
+    assert audited == by_value
+    assert len(calls) == by_value_saves > 0, calls
+    (row,) = refshare.report().rows
+    assert row.audit and row.bytes_repeated == (WORKERS - 1) * nbytes
+    assert row.would_save_ms is not None and row.would_save_ms > 0
+
+
 @pytest.mark.verify_off  # times what Ray spends sending, which verify adds to
 def test_an_audit_times_what_ray_spends_sending_and_what_would_repeat(
     readers: list[Any],
