@@ -5,20 +5,21 @@ a new rollout every step, a quarter of the object store of chunks never sent aga
 cache measures reuse distances: the bytes stored through it between two uses of an entry.
 
 What an entry used ``n`` times so far is likely to do next is what entries used ``n`` times
-did lately: an entry not used again since it was stored is kept for as long as the longest
-first reuse seen lately (the distance from an entry's store to its first use again), one
-used once for as long as the longest second reuse, with a margin; a distance counts as seen
-lately until the cache has stored three times as much since (a pattern that repeats shows
-it again by then). An entry used again is also kept for as long as its own longest reuse
-distance, with the margin, and once used twice, for that alone. So the weights sent once a
-step stay from step to step; a rollout's chunk sent again by the next calls of its step and
-then never goes soon after the step's last call (a horizon common to all entries would keep
-every chunk for as long as the weights are kept: a step and a half of them); and NeMo-RL's
-batch, sent again at once (the reference's log-probs right after the policy's) and then
-after a longer gap (train), stays for the gap its predecessors showed. Until an entry's
-kind of next use has been seen lately, nothing says how long it may wait: one never used
-again is not evicted for its age (the budget alone bounds the cache), one used again is
-kept for its own distances.
+did lately: an entry not used again since it was stored is kept for as long as the first
+reuses seen lately came (the distance from an entry's store to its first use again), one
+used once for as long as the second reuses came, with a margin. A distance speaks for other
+entries once two have shown it among the last reuses of that count: the weights, one entry
+sent once a step, come back a step after they were stored and again a step later, and alone
+they would keep every chunk used as often for a step and a half. An entry used again is also
+kept for as long as its own longest reuse distance, with the margin, and once used twice,
+for that alone. So the weights sent once a step stay from step to step; a rollout's chunk
+sent again by the next calls of its step and then never goes soon after the step's last
+call; and NeMo-RL's batch, sent again at once (the reference's log-probs right after the
+policy's) and then after a longer gap (train), stays for the gap its predecessors showed.
+Before any first reuse is seen, an entry never used again is not evicted for its age (the
+budget alone bounds the cache); an entry whose kind of next use no two entries have shown
+is kept for its own distances. What is counted is the last reuses of each count, however
+long ago: a loop that slows down, or stops sending, keeps what it learned.
 
 An evicted entry sent again is remembered (its key, a ghost), so that its miss still teaches
 the distance it would have needed: from then on it is kept that long, and entries used as
@@ -27,19 +28,22 @@ many times as it had been are kept that long too.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
-#: An entry is kept for its longest reuse distance (or the longest next reuse seen lately)
+#: An entry is kept for its longest reuse distance (or the next reuses seen lately)
 #: times this, plus :data:`SLACK`.
 MARGIN = 1.5
 #: Bytes added to every horizon, so that what is weighed a few bytes apart (an audit's
 #: estimate of what the store holds, and the store's own count) is evicted alike.
 SLACK = 64 << 10
-#: A distance seen at some point stops counting once this many times it has been stored since.
-MEMORY = 3
+#: The reuses of each count remembered (the last ones).
+SEEN = 32
+#: How many entries must have shown a distance among them for it to speak for others.
+AGREE = 2
 #: Evicted keys remembered at most (the oldest are forgotten).
 MAX_GHOSTS = 4096
 #: An entry used again this many times is kept for its own distances alone: they speak for it
@@ -83,10 +87,9 @@ class Reuse:
         #: Evicted key -> its last use, its longest reuse distance (-1: never used again) and
         #: its uses.
         self._ghosts: OrderedDict[Hashable, tuple[int, int, int]] = OrderedDict()
-        #: n -> the n-th reuses seen lately as (distance, clock when seen), the distances
-        #: decreasing: each one seen later than the ones before it, and shorter, else it
-        #: would have replaced them.
-        self._seen: dict[int, list[tuple[int, int]]] = {}
+        #: n -> the distances of the last n-th reuses, and the horizon they give (``None``:
+        #: to be worked out again)
+        self._seen: dict[int, tuple[collections.deque[int], list[float | None]]] = {}
 
     @property
     def clock(self) -> int:
@@ -190,27 +193,29 @@ class Reuse:
 
     def horizon(self, nth: int = 1) -> float | None:
         """How long an entry used ``nth - 1`` times may go unused and still be kept, from
-        the ``nth`` reuses seen lately; ``None`` if none was seen lately (for ``nth=1``: an
-        entry not used again since it was stored, before any first reuse)."""
-        seen = self._seen.get(nth)
-        if seen is None:
+        the last ``nth`` reuses seen: the :data:`AGREE`-th longest, with the margin.
+        ``None`` if they do not say: before any reuse of that count, or, for entries used
+        again, before :data:`AGREE` of them (their own distances then keep them). One first
+        reuse does for entries never used again: else nothing would, and they would stay
+        until the budget is full."""
+        found = self._seen.get(nth)
+        if found is None:
             return None
-        clock = self._clock
-        while seen and clock - seen[0][1] > MEMORY * seen[0][0] + SLACK:
-            seen.pop(0)
-        if not seen:
-            del self._seen[nth]
-            return None
-        return _kept_for(seen[0][0])
+        seen, horizon = found
+        if horizon[0] is None and (nth == 1 or len(seen) >= AGREE):
+            longest = sorted(seen, reverse=True)
+            horizon[0] = _kept_for(longest[min(AGREE, len(longest)) - 1])
+        return horizon[0]
 
     def _see(self, nth: int, distance: int) -> None:
         """An ``nth`` reuse came ``distance`` after the use before it."""
         if nth > OWN_FROM:
             return  # asked of no entry
-        seen = self._seen.setdefault(nth, [])
-        while seen and seen[-1][0] <= distance:
-            seen.pop()
-        seen.append((distance, self._clock))
+        found = self._seen.get(nth)
+        if found is None:
+            found = self._seen[nth] = (collections.deque(maxlen=SEEN), [None])
+        found[0].append(distance)
+        found[1][0] = None
 
     def clear(self) -> None:
         self._clock = 0
