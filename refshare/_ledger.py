@@ -8,6 +8,7 @@ reads the tallies as they are, and ``stats()`` sums those of sharing (not of aud
 
 from __future__ import annotations
 
+import functools
 import io
 import sys
 import threading
@@ -20,6 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ._context import current_scope
+from ._wire.serialized import put_as_bytes
 
 #: What a tally counts, in the report's order.
 FIELDS = (
@@ -73,19 +75,43 @@ class Tab:
     tensors: int = 0
     unkeyed: int = 0
     put_call: bool = False
+    #: Whether the tensors are counted: an audit's alone (sharing's calls never ask).
+    audit: bool = False
 
-    def hit(self, count: int, nbytes: int, in_call: int = 0, members: int = 0) -> None:
+    def hit(
+        self, count: int, nbytes: int, in_call: int = 0, members: int = 0, stored: Any = None
+    ) -> None:
+        """``count`` stored objects found, weighing ``nbytes``; ``stored``: what was put for
+        them, if one object (an audit counts its tensors)."""
         self.hits += count
         self.repeated += nbytes
         self.in_call += in_call
         self.members += members
+        self._tensors(nbytes, stored)
 
-    def put(self, nbytes: int, as_bytes: bool = False) -> None:
+    def put(self, nbytes: int, stored: Any = None) -> None:
+        """``stored`` put, weighing ``nbytes``."""
         self.puts += 1
+        self._distinct(nbytes, stored)
+
+    def member(self, nbytes: int, stored: Any, found: bool, in_call: bool) -> None:
+        """A split value's member: found, or put in a bundle (whose put counts once)."""
+        if found:
+            self.hit(1, nbytes, nbytes if in_call else 0, nbytes, stored)
+        else:
+            self._distinct(nbytes, stored)
+
+    def _distinct(self, nbytes: int, stored: Any) -> None:
         self.distinct += nbytes
-        if as_bytes:
+        if self._tensors(nbytes, stored):
             self.as_bytes += nbytes
-            self.tensors += nbytes
+
+    def _tensors(self, nbytes: int, stored: Any) -> bool:
+        """An audit's: count ``nbytes`` as tensors if ``stored`` is put as their bytes."""
+        if not self.audit or stored is None or not put_as_bytes(stored):
+            return False
+        self.tensors += nbytes
+        return True
 
 
 class Tally:
@@ -158,9 +184,7 @@ def not_keying(seconds: float) -> None:
     _sending.not_keying += seconds
 
 
-#: Bytes this process copies a second, measured once (see :func:`copying`).
-_copy_rate: list[float] = []
-#: What the measure copies: large enough to leave the caches, small enough to take about 1 ms.
+#: What the measures copy: large enough to leave the caches, small enough to take about 1 ms.
 _COPY_PROBE = 8 << 20
 
 
@@ -174,18 +198,31 @@ def _timed(fn: Callable[[], object]) -> float:
     return sorted(took)[len(took) // 2]
 
 
+@functools.cache
+def _copy_cost() -> float:
+    """Seconds this process takes to copy a byte into new memory."""
+    source = np.ones(_COPY_PROBE, np.uint8)
+    return _timed(lambda: np.array(source, copy=True)) / _COPY_PROBE
+
+
 def copying(nbytes: int) -> float:
     """About how many seconds putting ``nbytes`` of a tensor's bytes takes: one copy into
-    new memory, as the object store makes, at the rate this process copies (a copy of
-    :data:`_COPY_PROBE` bytes, measured on first use)."""
-    if not _copy_rate:
-        source = np.ones(_COPY_PROBE, np.uint8)
-        _copy_rate.append(_COPY_PROBE / max(_timed(lambda: np.array(source, copy=True)), 1e-9))
-    return nbytes / _copy_rate[0]
+    new memory, as the object store makes (timed once, on :data:`_COPY_PROBE` bytes)."""
+    return nbytes * _copy_cost()
 
 
-#: Seconds torch's unpickling of a tensor takes a byte more than a copy (see :func:`unpickling`).
-_unpickle_cost: list[float] = []
+@functools.cache
+def _unpickle_cost(torch: Any) -> float:
+    """Seconds torch's unpickling of a tensor takes a byte more than a copy."""
+    try:
+        saved = io.BytesIO()
+        probe = torch.ones(_COPY_PROBE // 4)._typed_storage()  # what a tensor pickles
+        torch.serialization.save(probe, saved, _use_new_zipfile_serialization=False)
+        data = saved.getvalue()
+        took = _timed(lambda: torch.serialization.load(io.BytesIO(data), weights_only=False))
+    except Exception:  # another torch: count nothing for the receivers
+        return 0.0
+    return max(0.0, took - copying(_COPY_PROBE)) / _COPY_PROBE
 
 
 def unpickling(nbytes: int) -> float:
@@ -196,19 +233,7 @@ def unpickling(nbytes: int) -> float:
     own functions (a program that wraps ``torch.save`` to count its calls sees none of
     these). None where torch was never imported (no tensor was sent) or the timing fails."""
     torch = sys.modules.get("torch")
-    if torch is None or not nbytes:
-        return 0.0
-    if not _unpickle_cost:
-        try:
-            saved = io.BytesIO()
-            probe = torch.ones(_COPY_PROBE // 4)._typed_storage()  # what a tensor pickles
-            torch.serialization.save(probe, saved, _use_new_zipfile_serialization=False)
-            data = saved.getvalue()
-            took = _timed(lambda: torch.serialization.load(io.BytesIO(data), weights_only=False))
-        except Exception:  # another torch: count nothing for the receivers
-            took = 0.0
-        _unpickle_cost.append(max(0.0, took - copying(_COPY_PROBE)) / _COPY_PROBE)
-    return nbytes * _unpickle_cost[0]
+    return 0.0 if torch is None or not nbytes else nbytes * _unpickle_cost(torch)
 
 
 R = TypeVar("R")
@@ -257,6 +282,10 @@ class Ledger:
     @property
     def audit(self) -> bool:
         return self.tally.audit
+
+    def tab(self, nbytes: int, put_call: bool = False) -> Tab:
+        """What one argument of ``nbytes`` does, to count with :meth:`argument`."""
+        return Tab(nbytes, put_call=put_call, audit=self.tally.audit)
 
     def submission(self) -> None:
         self.tally.add((SUBMISSIONS, 1))

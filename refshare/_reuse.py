@@ -47,8 +47,7 @@ AGREE = 2
 #: Evicted keys remembered at most (the oldest are forgotten).
 MAX_GHOSTS = 4096
 #: An entry used again this many times is kept for its own distances alone: they speak for it
-#: better than what others did (and the weights, used for ever, teach only the first counts
-#: what a step is, for a few steps, where chunks used as often are kept that long).
+#: better than what others did.
 OWN_FROM = 2
 
 
@@ -64,6 +63,7 @@ class Reuse:
         "_expiries",
         "_fresh",
         "_ghosts",
+        "_horizons",
         "_last",
         "_order",
         "_own",
@@ -87,9 +87,10 @@ class Reuse:
         #: Evicted key -> its last use, its longest reuse distance (-1: never used again) and
         #: its uses.
         self._ghosts: OrderedDict[Hashable, tuple[int, int, int]] = OrderedDict()
-        #: n -> the distances of the last n-th reuses, and the horizon they give (``None``:
-        #: to be worked out again)
-        self._seen: dict[int, tuple[collections.deque[int], list[float | None]]] = {}
+        #: n -> the distances of the last n-th reuses
+        self._seen: dict[int, collections.deque[int]] = {}
+        #: n -> the horizon they give, worked out when asked, forgotten when one is seen
+        self._horizons: dict[int, float] = {}
 
     @property
     def clock(self) -> int:
@@ -198,24 +199,22 @@ class Reuse:
         again, before :data:`AGREE` of them (their own distances then keep them). One first
         reuse does for entries never used again: else nothing would, and they would stay
         until the budget is full."""
-        found = self._seen.get(nth)
-        if found is None:
-            return None
-        seen, horizon = found
-        if horizon[0] is None and (nth == 1 or len(seen) >= AGREE):
+        horizon = self._horizons.get(nth)
+        seen = self._seen.get(nth)
+        if horizon is None and seen and (nth == 1 or len(seen) >= AGREE):
             longest = sorted(seen, reverse=True)
-            horizon[0] = _kept_for(longest[min(AGREE, len(longest)) - 1])
-        return horizon[0]
+            horizon = self._horizons[nth] = _kept_for(longest[min(AGREE, len(seen)) - 1])
+        return horizon
 
     def _see(self, nth: int, distance: int) -> None:
         """An ``nth`` reuse came ``distance`` after the use before it."""
         if nth > OWN_FROM:
             return  # asked of no entry
-        found = self._seen.get(nth)
-        if found is None:
-            found = self._seen[nth] = (collections.deque(maxlen=SEEN), [None])
-        found[0].append(distance)
-        found[1][0] = None
+        seen = self._seen.get(nth)
+        if seen is None:
+            seen = self._seen[nth] = collections.deque(maxlen=SEEN)
+        seen.append(distance)
+        self._horizons.pop(nth, None)
 
     def clear(self) -> None:
         self._clock = 0
@@ -226,3 +225,4 @@ class Reuse:
         self._expiries.clear()
         self._ghosts.clear()
         self._seen.clear()
+        self._horizons.clear()

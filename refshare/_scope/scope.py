@@ -28,7 +28,7 @@ from .._options import Options
 from .._ray.session import current_session
 from .._rules import pickles_by_own_code
 from .._verify import MISMATCH, Mode, verifier, verify_by_env
-from .._wire.serialized import Serialized, put_as_bytes, stored_whole
+from .._wire.serialized import Serialized, stored_whole
 from .memo import CallMemo, NotKeyed
 from .store import CallStore
 
@@ -101,7 +101,7 @@ class Scope:
         nbytes = self.size_if_large(value)
         if nbytes is None or not self.ready():
             return value  # small, or Ray is not running yet: it starts on this very call
-        tab = Tab(nbytes)
+        tab = self.ledger.tab(nbytes)
         shared = self.send(value, tab)
         self.ledger.argument(tab)
         if shared is None or self.audit:
@@ -136,7 +136,7 @@ class Scope:
     ) -> ObjectRef[Any] | None:
         """A put of ``value`` answered by content (``content``: keyed whole, whatever its
         kind); ``None`` for Ray's own put. What it returns is always a ref."""
-        tab = Tab(nbytes, put_call=not content)
+        tab = self.ledger.tab(nbytes, put_call=not content)
         ref = self.whole(value, tab, None, True) if content else self.send(value, tab, True)
         if not isinstance(ref, ObjectRef):  # by value; an audit's stand-in
             tab.put_call = False
@@ -225,12 +225,11 @@ class Scope:
         if kind is not None and self.admission is not None:
             self.admission.record(kind, hit=got.found)
         if got.found:
-            tab.hit(1, keyed.nbytes, keyed.nbytes if got.in_call else 0)
-            tab.tensors += keyed.nbytes if put_as_bytes(keyed.stored) else 0
+            tab.hit(1, keyed.nbytes, keyed.nbytes if got.in_call else 0, stored=keyed.stored)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("hit  %d bytes, key %s", keyed.nbytes, keyed.key.hex()[:12])
         else:
-            tab.put(keyed.nbytes, put_as_bytes(keyed.stored))
+            tab.put(keyed.nbytes, keyed.stored)
         return got.ref
 
     def cold(self, value: Any, tab: Tab, kind: _admission.Kind, put: bool) -> Any:
@@ -245,7 +244,7 @@ class Scope:
             if put_now is None:
                 self.ledger.by_value("Ray refused its put")
                 return None
-            tab.put(tab.nbytes, put_as_bytes(stored))
+            tab.put(tab.nbytes, stored)
             tab.unkeyed += 1
             return put_now[0]
         self.admission.record(kind, hit=True)
@@ -302,13 +301,8 @@ class Scope:
             if g is None:
                 self.ledger.by_value("Ray refused a member's put")
                 return None
-            tensors = put_as_bytes(member.stored)
-            tab.tensors += member.nbytes if tensors else 0
-            if g.found:
-                tab.hit(1, member.nbytes, member.nbytes if g.in_call else 0, member.nbytes)
-            else:
-                tab.distinct += member.nbytes
-                tab.as_bytes += member.nbytes if tensors else 0
+            tab.member(member.nbytes, member.stored, g.found, g.in_call)
+            if not g.found:
                 holders.add(g.ref.ref if type(g.ref) is Bundled else g.ref)
             refs.append(g.ref)
         tab.puts += len(holders)
@@ -338,8 +332,7 @@ class Scope:
         return nbytes if complete else estimate_size(value)
 
     def close(self) -> None:
-        """The call or block has ended: what it kept is let go of (see ``CallStore.close``),
-        and an audit's receivers counted (see ``Ledger.close``)."""
+        """The call has ended: what it kept is let go of, an audit's receivers counted."""
         self.store.close()
         self.ledger.close()
 
