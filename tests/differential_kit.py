@@ -188,9 +188,10 @@ class _Describer:
         return ("class", handle._ray_actor_creation_function_descriptor.class_name)
 
     def state(self, value: Any) -> Any:
-        """Attributes (``__dict__`` by name, then slots), as a by-value receiver sees them."""
+        """Attributes (``__dict__`` in its order, which pickle keeps, then slots), as a
+        by-value receiver sees them."""
         attrs = getattr(value, "__dict__", None)
-        found = [] if not isinstance(attrs, dict) else sorted(attrs.items())
+        found = [] if not isinstance(attrs, dict) else list(attrs.items())
         for base in type(value).__mro__:
             slots = base.__dict__.get("__slots__", ())
             for name in (slots,) if isinstance(slots, str) else slots:
