@@ -65,18 +65,18 @@ class RefCache:
     while one of them is kept.
 
     Within its budget, it keeps what is likely to be sent again: an entry unused for longer
-    than the reuse distances its hits show is evicted on the next insert (see ``_reuse``),
-    so that what it holds follows the working set it sees (the weights sent every step, a
-    batch sent again by the step's calls), not its budget. Only while it warms up, until it
-    has stored :data:`WARM_UP` of its budget in all since it was new (or cleared, or bound
-    to a new session), does nothing go for its age: a loop's first step shows only reuses
-    within the step, shorter than the loop, and a step sent again (NeMo-RL's, OpenRLHF's)
-    would find its values gone. By the end of the warm-up, a loop that stores less than
-    that in a step has come round, and its hits (the weights, the batch sent again) have
-    shown how long it is; a longer loop's misses teach it (``_reuse``'s ghosts). The
-    warm-up is counted in bytes stored, not held: once past it, a cache holding little
-    still lets go of what has gone unused past its horizon. Whatever it keeps, a put that
-    would fill the store lets go of it first (``_pressure``).
+    than the reuse distances its hits show is evicted before the next put (:meth:`age`) or
+    on the next insert (see ``_reuse``), so that what it holds follows the working set it
+    sees (the weights sent every step, a batch sent again by the step's calls), not its
+    budget. Only while it warms up, until it has stored :data:`WARM_UP` of its budget in
+    all since it was new (or cleared, or bound to a new session), does nothing go for its
+    age: a loop's first step shows only reuses within the step, shorter than the loop, and
+    a step sent again (NeMo-RL's, OpenRLHF's) would find its values gone. By the end of the
+    warm-up, a loop that stores less than that in a step has come round, and its hits (the
+    weights, the batch sent again) have shown how long it is; a longer loop's misses teach
+    it (``_reuse``'s ghosts). The warm-up is counted in bytes stored, not held: once past
+    it, a cache holding little still lets go of what has gone unused past its horizon.
+    Whatever it keeps, a put that would fill the store lets go of it first (``_pressure``).
 
     ``max_bytes=None`` means a quarter of the object store of the node the driver runs on,
     read when the cache is first used in a Ray session. Refs are valid only in the Ray
@@ -217,16 +217,31 @@ class RefCache:
             self._entries[key] = entry
             self._keep(entry)
         self._reuse.stored((key for key, _ in new), self._nbytes - before)
-        aged = self._reuse.expired() if self._reuse.clock > budget * WARM_UP else ()
-        for key in aged:
-            found = self._entries.get(key)
-            mates = self._groups.get(found.group, ()) if found is not None else ()
-            if found is not None and not any(map(self._reuse.within, mates)):
-                self._evict(key, found)
+        self._age(budget)
         first = new[0][0]
         while self._nbytes > budget and next(iter(self._entries)) != first:
             self.popitem()  # the new entries came last
         return True
+
+    def age(self) -> None:
+        """Evict what has gone unused past its horizon: called before each put, so that the
+        object store never holds the new object beside what the cache lets go of when it is
+        stored (a loop's second step's first chunk beside the first step's, which the hits
+        at that step's end showed were not coming back). What goes is what the insert after
+        the put would evict, a put sooner: its clock, the bytes stored, is further on."""
+        with self._lock:
+            self._age(self.max_bytes)
+
+    def _age(self, budget: int) -> None:
+        """Evict the entries gone unused past their horizon (an object's once all of its
+        entries have), once the cache has stored :data:`WARM_UP` of ``budget`` in all."""
+        if self._reuse.clock <= budget * WARM_UP:
+            return
+        for key in self._reuse.expired():
+            found = self._entries.get(key)
+            mates = self._groups.get(found.group, ()) if found is not None else ()
+            if found is not None and not any(map(self._reuse.within, mates)):
+                self._evict(key, found)
 
     def _keep(self, entry: CacheEntry) -> None:
         for obj, nbytes in entry.keeps:

@@ -14,6 +14,7 @@ from reliability_kit import MiB, marked, sinks, summary
 from test_lifetimes import eventually, plasma_mib
 
 import refshare
+from refshare._scope import store as store_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray", "fresh")]
 
@@ -87,3 +88,48 @@ def test_chunks_that_come_back_stay(group: list[Any]) -> None:
     assert stats.hits == SENT - stats.puts
     assert cache.nbytes >= MiB + 4 * 3 * CHUNK
     assert in_store >= 24, in_store
+
+
+def test_what_went_unused_goes_before_the_next_steps_first_put(
+    group: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As verl's step sends them: the weights, two calls' new chunks, the second call's sent
+    again at the step's end, none of them after. Those hits show, only at the first step's
+    end, how far apart chunks come back: the first call's chunks, never sent again, go
+    before the next step's first put, so the store does not hold them beside it (it held the
+    whole first step then when they went only once the put was in the cache: 1.24 times by
+    value's peak on verl's long replay). The weights, not sent again yet when the hits
+    taught that, still hit."""
+    cache = refshare.RefCache(max_bytes=24 * MiB)  # the 14 MiB step passes its warm-up
+    weights = marked(1, 2 * MiB)
+
+    @refshare.shared_args(cache=cache)
+    def send(*arrays: np.ndarray) -> list[Any]:
+        return ray.get([w.apply.remote(summary, *arrays) for w in group], timeout=60)
+
+    gc.collect()
+    eventually(lambda: plasma_mib() == 0, timeout=10)
+    before = plasma_mib()
+    at_puts: list[int] = []  # what the cache held as each put was made
+    settled: list[bool] = []  # whether the store came down to it, read from Ray's side
+    put = store_module.put_stored
+
+    def watched(stored: Any, nbytes: int) -> Any:
+        held = cache.nbytes
+        at_puts.append(held)
+        if len(at_puts) == 8:  # the second step's first chunk
+            mib = (held + MiB - 1) // MiB
+            settled.append(eventually(lambda: plasma_mib() - before <= mib, timeout=5))
+        return put(stored, nbytes)
+
+    monkeypatch.setattr(store_module, "put_stored", watched)
+    for step in range(2):
+        first = [marked(1000 + 10 * step + i, CHUNK) for i in range(3)]
+        second = [marked(2000 + 10 * step + i, CHUNK) for i in range(3)]
+        for arrays in ([weights], first, second, second):
+            assert send(*arrays) == [summary(*arrays)] * 2
+    assert refshare.stats().puts == len(at_puts) == 1 + 2 * 6  # nothing put again
+    # The weights, the second call's chunks, and the first call's last (stored 3 chunks
+    # before the step's end, within the 4-chunk distance of the farthest hit, with a margin).
+    assert at_puts[7] <= 2 * MiB + 4 * CHUNK + 4096, at_puts[7] / MiB
+    assert settled == [True], (plasma_mib() - before, at_puts[7] / MiB)

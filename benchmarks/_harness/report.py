@@ -76,6 +76,17 @@ def git_state() -> dict[str, str]:
         return {"head": "", "status": ""}
 
 
+def _portable(arg: str) -> str:
+    """``arg`` as the record shows it: a path in the repository relative to it, any other
+    absolute path as ``DIR`` (the record speaks of the project, not of the machine)."""
+    if not os.path.isabs(arg):
+        return arg
+    try:
+        return str(Path(arg).resolve().relative_to(REPO))
+    except ValueError:
+        return "DIR"
+
+
 def machine(script: str, **extra: Any) -> dict[str, Any]:
     """The machine, software and revision of a run; ``extra`` is added as it is."""
     cpu = platform.processor() or "unknown"
@@ -92,7 +103,7 @@ def machine(script: str, **extra: Any) -> dict[str, Any]:
             module = __import__(name)
             versions[name] = getattr(module, "__version__", getattr(module, "VERSION", "?"))
     return {
-        "command": shlex.join(["python", f"benchmarks/{script}", *sys.argv[1:]]),
+        "command": shlex.join(["python", f"benchmarks/{script}", *map(_portable, sys.argv[1:])]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu,
         "cores": os.cpu_count(),

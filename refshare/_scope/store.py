@@ -200,6 +200,8 @@ class CallStore:
         object store (see ``refshare._pressure``). An audit's puts nothing: it weighs what
         Ray would store (a value put without keying, ``keyed=False``, whose pickling may run
         the program's code, by its estimate), and makes room as sharing would."""
+        if self.cache is not None:  # what it lets go of for its age leaves before the put
+            self.cache.age()
         if self.over(nbytes):
             self.make_room(nbytes)
         if self.audit:
