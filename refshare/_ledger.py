@@ -188,50 +188,66 @@ def not_keying(seconds: float) -> None:
 _COPY_PROBE = 8 << 20
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    """The median seconds of a few runs of ``fn``: new memory each time, as a worker's."""
+def _least(fn: Callable[[], object], runs: int = 7) -> float:
+    """The fewest CPU seconds this thread spent on one of a few runs of ``fn``, after one
+    untimed run. The least, because what blurs a run only adds to it: another process on
+    the core, or pages the allocator had to fault in anew this time and not the next (which
+    of the two it does varies from process to process, and moved a median 8-fold)."""
+    fn()
     took = []
-    for _ in range(5):
-        start = time.perf_counter()
+    for _ in range(runs):
+        start = time.thread_time()
         fn()
-        took.append(time.perf_counter() - start)
-    return sorted(took)[len(took) // 2]
+        took.append(time.thread_time() - start)
+    return min(took)
 
 
 @functools.cache
 def _copy_cost() -> float:
-    """Seconds this process takes to copy a byte into new memory."""
+    """Seconds this process takes to copy a byte into memory already mapped, as a put
+    copies into the object store's pages (mapped in each process once, then reused)."""
     source = np.ones(_COPY_PROBE, np.uint8)
-    return _timed(lambda: np.array(source, copy=True)) / _COPY_PROBE
+    target = np.ones(_COPY_PROBE, np.uint8)  # written, so mapped: not ``zeros``' lazy pages
+    return _least(lambda: np.copyto(target, source)) / _COPY_PROBE
 
 
 def copying(nbytes: int) -> float:
     """About how many seconds putting ``nbytes`` of a tensor's bytes takes: one copy into
-    new memory, as the object store makes (timed once, on :data:`_COPY_PROBE` bytes)."""
+    the object store (timed once, on :data:`_COPY_PROBE` bytes)."""
     return nbytes * _copy_cost()
 
 
 @functools.cache
 def _unpickle_cost(torch: Any) -> float:
-    """Seconds torch's unpickling of a tensor takes a byte more than a copy."""
+    """Seconds a receiver spends on a byte of a tensor sent by value more than on one sent
+    as sharing sends it. By value, unpickling copies the storage's bytes out of the pickle
+    into bytes of their own (one copy: :func:`copying`), which ``torch.load`` reads into a
+    new storage; sharing's receiver copies them from the object store into a new storage
+    (``bootstrap.rebuild_storage``). Timed here, on :data:`_COPY_PROBE` bytes: that copy,
+    and ``torch.load``'s reading against that rebuild (its own work beyond a copy). Each
+    part timed alone, on memory the allocator hands back, as a receiver's is call after
+    call: timed whole, the path faulted in new pages in some processes and not in others,
+    and the rate moved 10-fold between them."""
+    from ._wire.bootstrap import rebuild_storage
+
     try:
         saved = io.BytesIO()
         probe = torch.ones(_COPY_PROBE // 4)._typed_storage()  # what a tensor pickles
         torch.serialization.save(probe, saved, _use_new_zipfile_serialization=False)
-        data = saved.getvalue()
-        took = _timed(lambda: torch.serialization.load(io.BytesIO(data), weights_only=False))
+        data, raw = saved.getvalue(), np.ones(_COPY_PROBE, np.uint8)
+        loading = _least(lambda: torch.serialization.load(io.BytesIO(data), weights_only=False))
+        rebuilding = _least(lambda: rebuild_storage([raw], torch.float32))
     except Exception:  # another torch: count nothing for the receivers
         return 0.0
-    return max(0.0, took - copying(_COPY_PROBE)) / _COPY_PROBE
+    return _copy_cost() + max(0.0, loading - rebuilding) / _COPY_PROBE
 
 
 def unpickling(nbytes: int) -> float:
     """About how many seconds more a receiver spends on ``nbytes`` of tensors sent by value
-    than on their bytes as sharing sends them (a copy). By value, torch's pickling sends a
-    tensor's storage as ``torch.save`` writes it and rebuilds it with ``torch.load``: timed
-    once in this process on :data:`_COPY_PROBE` bytes, through ``torch.serialization``'s
-    own functions (a program that wraps ``torch.save`` to count its calls sees none of
-    these). None where torch was never imported (no tensor was sent) or the timing fails."""
+    than on their bytes as sharing sends them (see :func:`_unpickle_cost`: timed once per
+    process, through ``torch.serialization``'s own functions, so that a program that wraps
+    ``torch.save`` to count its calls sees none of these). None where torch was never
+    imported (no tensor was sent) or the timing fails."""
     torch = sys.modules.get("torch")
     return 0.0 if torch is None or not nbytes else nbytes * _unpickle_cost(torch)
 

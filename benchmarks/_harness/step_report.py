@@ -183,7 +183,7 @@ def time_rows(summary: dict[str, Any]) -> list[list[str]]:
     low, _, high = summary.get("default_saved_quartiles_ms", (saved, saved, saved))
     return [
         ["would save (time): the audit's estimate ÷ the time the default saved per step "
-         "(plain's step less the default's)",
+         "(the mean of plain's and plain again's step less the default's)",
          f"{ratio:.2f}{TIMES} ({would:.1f} vs {saved:.1f} ms, each step's saving "
          f"{low:.1f}{DASH}{high:.1f} ms between its quartiles; Ray's calls that sent large "
          f"arguments took {summary['sending_ms']:.1f} ms of the audit's step; plain again "
@@ -264,8 +264,8 @@ def ideal_and_audit(summary: dict[str, Any], labels: dict[str, str]) -> list[str
         "Time: the audit's report, `would_save_ms` (its calls' time in Ray's own `.remote()` "
         "and `ray.put`, shared among their large arguments by bytes: the repeated ones' share, "
         "and that of the tensors sharing would store as their bytes less one copy of them, "
-        "less the audit's keying), against the median of each step's plain step time less "
-        "the default's." + budget_line(summary),
+        "less the audit's keying), against the median of each step's by-value step time (the "
+        "mean of plain's and plain again's) less the default's." + budget_line(summary),
         "",
     ]
 
