@@ -40,7 +40,7 @@ PRESSURE_HEADER = [
 ]
 PRESSURE_CASES = [
     f"{case}, {variant}"
-    for case in ("one block", "two scopes", "2,500 refs", "5,000 refs")  # --smoke's
+    for case in ("one block", "two scopes", "5,000 refs")  # --smoke's
     for variant in ("with grpcio", "without grpcio")
 ]
 
