@@ -246,8 +246,8 @@ def unpickling(nbytes: int) -> float:
     """About how many seconds more a receiver spends on ``nbytes`` of tensors sent by value
     than on their bytes as sharing sends them (see :func:`_unpickle_cost`: timed once per
     process, through ``torch.serialization``'s own functions, so that a program that wraps
-    ``torch.save`` to count its calls sees none of these). None where torch was never
-    imported (no tensor was sent) or the timing fails."""
+    ``torch.save`` to count its calls sees none of these). Nothing (0.0) where torch was
+    never imported (no tensor was sent); no receivers' part where the timing fails."""
     torch = sys.modules.get("torch")
     return 0.0 if torch is None or not nbytes else nbytes * _unpickle_cost(torch)
 
