@@ -15,8 +15,12 @@ is not keyed is put fresh.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
+from contextvars import ContextVar
+from typing import NamedTuple
 
 #: Values of one kind that find nothing cached, in a row, before the kind is not keyed.
 COLD_AFTER = 16
@@ -89,47 +93,133 @@ class Admission:
 #: Members remembered at most, by key (the least recently sent are forgotten).
 MAX_MEMBERS = 1 << 16
 
+_moments = itertools.count(1)
+
+
+class Moment(NamedTuple):
+    """When a value is sent, as far as what is learned of it goes: the jobs a scope submits
+    to a thread pool between two of its own sends (verl's ``parallel_put``) are one moment,
+    whichever of them the pool runs first; each send of the scope's own is a moment."""
+
+    at: int
+    #: Which of the moment's pool jobs sends (0: the scope's own thread).
+    job: int = 0
+
+
+#: The moment of the pool's job that runs in this context (``None``: not a pool's job).
+job_moment: ContextVar[Moment | None] = ContextVar("refshare_moment", default=None)
+
+
+def pooled_moment() -> int | None:
+    """The moment of the pool's job that runs in this context, if it is one."""
+    job = job_moment.get()
+    return None if job is None else job.at
+
+
+class Moments:
+    """A scope's moments (see :class:`Moment`)."""
+
+    __slots__ = ("_at", "_jobs", "_lock")
+
+    def __init__(self) -> None:
+        self._at = 0
+        self._jobs = 0
+        self._lock = threading.Lock()  # a job may submit to a pool too (refshare's hashing)
+
+    def own(self) -> Moment:
+        """The moment of a send of the scope's own: one of its own."""
+        with self._lock:
+            self._jobs = 0
+        return Moment(next(_moments))
+
+    def job(self) -> Moment:
+        """The moment of a job submitted to a thread pool now: that of the jobs submitted
+        since the scope last sent."""
+        with self._lock:
+            if not self._jobs:
+                self._at = next(_moments)
+            self._jobs += 1
+            return Moment(self._at, self._jobs)
+
+
+class _Sent:
+    """Where a member was sent: in moment ``at``, each job's kind of value (``jobs``), and
+    the kinds it was sent in at the last moment before (``before``)."""
+
+    __slots__ = ("at", "before", "jobs")
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.before: tuple[Kind, ...] = ()
+        self.jobs: dict[int, Kind] = {}
+
 
 class Splitting:
     """Which kinds of values have large members that are sent again, in a later argument:
     a batch that grows between calls, or goes to several groups. Such a kind is split into
-    members by default; any other is stored whole, in one put."""
+    members by default; any other is stored whole, in one put.
+
+    What a moment's pool jobs send is learned from the next moment on: a job does not see
+    what its siblings sent, so what is learned does not depend on which the pool ran first.
+    Two of them sending one member is learned as any member sent again is."""
 
     __slots__ = ("_lock", "_repeating", "_seen")
 
     def __init__(self) -> None:
-        #: member key -> the kind of the value it was sent in
-        self._seen: OrderedDict[bytes, Kind] = OrderedDict()
-        self._repeating: OrderedDict[Kind, None] = OrderedDict()
+        self._seen: OrderedDict[bytes, _Sent] = OrderedDict()
+        #: kind -> the moment it was found to repeat in
+        self._repeating: OrderedDict[Kind, int] = OrderedDict()
         self._lock = threading.Lock()
 
-    def repeats(self, kind: Kind) -> bool:
-        """Whether values of ``kind`` have had members sent again."""
-        return kind in self._repeating
+    def repeats(self, kind: Kind, now: Moment) -> bool:
+        """Whether values of ``kind`` have had members sent again, before moment ``now``."""
+        at = self._repeating.get(kind)
+        return at is not None and at != now.at
 
-    def seen(self, key: bytes) -> bool:
-        """Whether a member with content ``key`` was sent before."""
-        return key in self._seen
+    def seen(self, key: bytes, now: Moment) -> bool:
+        """Whether a member with content ``key`` was sent before, as seen at ``now``."""
+        sent = self._seen.get(key)
+        if sent is None:
+            return False
+        return sent.at != now.at or bool(sent.before) or now.job in sent.jobs
 
-    def remember(self, keys: list[bytes], kind: Kind) -> None:
-        """Members with content ``keys`` were sent, in a value of ``kind``."""
+    def remember(self, keys: list[bytes], kind: Kind, now: Moment) -> None:
+        """Members with content ``keys`` were sent at ``now``, in a value of ``kind``."""
         with self._lock:
             for key in keys:
-                self._seen[key] = kind
+                sent = self._seen.get(key)
+                if sent is None:
+                    sent = self._seen[key] = _Sent(now.at)
+                elif sent.at != now.at:
+                    sent.before = tuple(dict.fromkeys(sent.jobs.values()))
+                    sent.at, sent.jobs = now.at, {}
+                elif any(job != now.job for job in sent.jobs):  # a sibling job sent it too
+                    self._repeat([*sent.jobs.values(), kind], now)
+                sent.jobs[now.job] = kind
                 self._seen.move_to_end(key)
             while len(self._seen) > MAX_MEMBERS:
                 self._seen.popitem(last=False)
 
-    def found_again(self, keys: list[bytes]) -> None:
-        """Members with content ``keys`` are sent again: the kinds they were sent in repeat."""
+    def found_again(self, keys: list[bytes], now: Moment) -> None:
+        """Members with content ``keys`` are sent again at ``now``: the kinds they were sent
+        in repeat."""
         with self._lock:
             for key in keys:
-                kind = self._seen.get(key)
-                if kind is not None:
-                    self._repeating[kind] = None
-                    self._repeating.move_to_end(kind)
-            while len(self._repeating) > MAX_KINDS:
-                self._repeating.popitem(last=False)
+                sent = self._seen.get(key)
+                if sent is None:
+                    continue
+                if sent.at != now.at:
+                    self._repeat(sent.jobs.values(), now)
+                else:
+                    own = sent.jobs.get(now.job)
+                    self._repeat(sent.before if own is None else (*sent.before, own), now)
+
+    def _repeat(self, kinds: Iterable[Kind], now: Moment) -> None:
+        for kind in kinds:
+            self._repeating.setdefault(kind, now.at)
+            self._repeating.move_to_end(kind)
+        while len(self._repeating) > MAX_KINDS:
+            self._repeating.popitem(last=False)
 
     def clear(self) -> None:
         with self._lock:

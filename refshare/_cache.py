@@ -10,7 +10,7 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from . import _ledger
-from ._admission import Admission, Splitting
+from ._admission import Admission, Splitting, pooled_moment
 from ._pressure import default_budget
 from ._reuse import Reuse
 
@@ -144,6 +144,7 @@ class RefCache:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
+                self._reuse.at(pooled_moment())
                 self._used(key)
             return entry
 
@@ -157,6 +158,7 @@ class RefCache:
         argument's thousands of members)."""
         with self._lock:
             found = [self._entries.get(key) for key in keys]
+            self._reuse.at(pooled_moment())
             for key, entry in zip(keys, found, strict=True):
                 if entry is not None:
                     self._used(key)
@@ -174,6 +176,7 @@ class RefCache:
         key, the second takes the first one's ref, so callers never see two refs for one
         content."""
         with self._lock:
+            self._reuse.at(pooled_moment())
             entry = self._entries.get(key)
             if entry is not None:
                 self._used(key)
@@ -189,6 +192,7 @@ class RefCache:
         A key already stored keeps its ref and stays out of the group. Returns the ref
         stored for each key."""
         with self._lock:
+            self._reuse.at(pooled_moment())
             found = [self._entries.get(key) for key, _ in items]
             keeps = ((group, nbytes),)
             new = [
@@ -230,6 +234,7 @@ class RefCache:
         at that step's end showed were not coming back). What goes is what the insert after
         the put would evict, a put sooner: its clock, the bytes stored, is further on."""
         with self._lock:
+            self._reuse.at(pooled_moment())
             self._age(self.max_bytes)
 
     def _age(self, budget: int) -> None:

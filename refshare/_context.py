@@ -27,6 +27,10 @@ class SubmitScope(Protocol):
         """The ref for a ``ray.put(value, **options)`` made in the scope, or ``None`` to
         leave that put to Ray."""
 
+    def submitting(self) -> None:
+        """A job is being submitted to a thread pool from the scope: run in the job's
+        context, before the job."""
+
 
 class Frame:
     """One entry into a scope (a decorated call, a ``sharing`` block): its scope, or ``None``

@@ -21,6 +21,11 @@ budget alone bounds the cache); an entry whose kind of next use no two entries h
 is kept for its own distances. What is counted is the last reuses of each count, however
 long ago: a loop that slows down, or stops sending, keeps what it learned.
 
+The clock is read once per moment (see ``_admission.Moment``): what the jobs a scope submits
+to a thread pool at once store and find is stamped with the clock as it was when the first
+of them came, so that the distances, and what goes for its age, do not depend on which job
+the pool ran first. Outside a pool's jobs, the clock is read as it is.
+
 An evicted entry sent again is remembered (its key, a ghost), so that its miss still teaches
 the distance it would have needed: from then on it is kept that long, and entries used as
 many times as it had been are kept that long too.
@@ -65,14 +70,23 @@ class Reuse:
         "_ghosts",
         "_horizons",
         "_last",
+        "_moment",
+        "_now",
         "_order",
         "_own",
+        "_pooled",
         "_seen",
+        "_start",
         "_uses",
     )
 
     def __init__(self) -> None:
         self._clock = 0  #: bytes stored through the cache so far
+        #: The clock as read now: as it was when the current moment's first job came.
+        self._now = 0
+        self._pooled = False  #: whether what comes now comes from a pool's job
+        self._moment = 0  #: the last moment whose jobs came, and the clock when they began
+        self._start = 0
         self._last: dict[Hashable, int] = {}  #: key -> the clock when it was last used
         #: key -> its longest reuse distance, for the keys used again since they were stored
         self._own: dict[Hashable, int] = {}
@@ -94,8 +108,19 @@ class Reuse:
 
     @property
     def clock(self) -> int:
-        """The bytes stored through the cache so far."""
-        return self._clock
+        """The bytes stored through the cache so far, as read now (see :meth:`at`)."""
+        return self._now
+
+    def at(self, moment: int | None) -> None:
+        """What comes next is stored or used in ``moment`` (``None``: outside a pool's jobs):
+        the clock is read as it was when the moment's first job came."""
+        self._pooled = moment is not None
+        if moment is None:
+            self._now = self._clock
+            return
+        if moment != self._moment:
+            self._moment, self._start = moment, self._clock
+        self._now = self._start
 
     def stored(self, keys: Iterable[Hashable], nbytes: int) -> None:
         """``keys`` were stored, in objects weighing ``nbytes`` in all."""
@@ -104,13 +129,15 @@ class Reuse:
             ghost = self._ghosts.pop(key, None)
             if ghost is not None:  # evicted too early: the horizon it would have needed
                 last, own, uses = ghost
-                distance = self._clock - last
+                distance = self._now - last
                 self._see(uses + 1, distance)
                 self._own[key] = max(own, distance)
                 self._uses[key] = uses + 1
         self._clock += nbytes
+        if not self._pooled:
+            self._now = self._clock
         for key in keys:
-            self._last[key] = self._clock
+            self._last[key] = self._now
             if key in self._own:
                 self._expires(key)
             else:
@@ -122,14 +149,14 @@ class Reuse:
         last = self._last.get(key)
         if last is None:
             return
-        distance = self._clock - last
+        distance = self._now - last
         uses = self._uses.get(key, 0) + 1
         self._see(uses, distance)
         if uses == 1:
             self._fresh.pop(key, None)
         self._own[key] = max(self._own.get(key, 0), distance)
         self._uses[key] = uses
-        self._last[key] = self._clock
+        self._last[key] = self._now
         self._expires(key)
 
     def _expires(self, key: Hashable) -> None:
@@ -157,17 +184,17 @@ class Reuse:
         fresh, last = self._fresh, self._last
         while horizon is not None and fresh:
             key = next(iter(fresh))
-            if self._clock - last[key] <= horizon:
+            if self._now - last[key] <= horizon:
                 break
             del fresh[key]
             found.append(key)
         expiries = self._expiries
-        while expiries and expiries[0][0] < self._clock:
+        while expiries and expiries[0][0] < self._now:
             _, _, key, used = heapq.heappop(expiries)
             if last.get(key) != used or key not in self._own:  # used since, or evicted
                 continue
             until = used + self._kept(key)
-            if until < self._clock:
+            if until < self._now:
                 found.append(key)
             else:  # the next reuses seen lately came later than its own
                 heapq.heappush(expiries, (until, next(self._order), key, used))
@@ -181,7 +208,7 @@ class Reuse:
         if last is None:
             return False
         horizon = self._kept(key) if key in self._own else self.horizon(1)
-        return horizon is not None and self._clock - last <= horizon
+        return horizon is not None and self._now - last <= horizon
 
     def _kept(self, key: Hashable) -> float:
         """How long ``key``, used again since it was stored, may go unused: its own horizon,
@@ -217,7 +244,8 @@ class Reuse:
         self._horizons.pop(nth, None)
 
     def clear(self) -> None:
-        self._clock = 0
+        self._clock = self._now = self._moment = self._start = 0
+        self._pooled = False
         self._last.clear()
         self._own.clear()
         self._uses.clear()

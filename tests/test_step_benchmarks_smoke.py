@@ -75,15 +75,6 @@ def test_step_benchmark_smoke(case: str, tmp_path: Path) -> None:
                 # bytes may hold nothing that repeats: then both are nothing).
                 would, saved = summary["would_save"], summary["default_saved"]
                 assert would > 0 or "quarter" in args, report.name
-                if "tensordict" in args and abs(would - saved) > 0.05 * saved:
-                    # Open defect (issue 41): on the legacy TensorDict flow's smoke run the
-                    # audit's bytes and sharing's differ from run to run, either way, by up
-                    # to a quarter. Its dispatch puts the two chunks of each call from a
-                    # thread pool (parallel_put), and what sharing keeps depends on which
-                    # put runs first (the kinds Splitting learns, the cache's reuse
-                    # distances): with the pool's puts made one by one, audit and sharing
-                    # agree to the byte. test_concurrency's pool-order test pins it.
-                    pytest.xfail(f"{report.name}: would save {would}, saved {saved}")
                 assert abs(would - saved) <= 0.05 * saved, (report.name, would, saved)
                 # The audit keys every large argument: its keying clock saw it run.
                 assert summary["audit_keying_ms"] > 0, report.name

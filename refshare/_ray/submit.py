@@ -118,10 +118,13 @@ def _put(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
 def _pool_submit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """The wrapper of ``ThreadPoolExecutor.submit``: inside a scope, the task runs in a copy
     of the submitter's context (a fresh copy per task: one context cannot run in two
-    threads)."""
-    if current_scope() is None or not _installed or not args:
+    threads), marked as a job of the scope (see ``Scope.submitting``)."""
+    scope = current_scope()
+    if scope is None or not _installed or not args:
         return wrapped(*args, **kwargs)
-    return wrapped(contextvars.copy_context().run, *args, **kwargs)
+    context = contextvars.copy_context()
+    context.run(scope.submitting)
+    return wrapped(context.run, *args, **kwargs)
 
 
 class _Patch:

@@ -17,7 +17,7 @@ from typing import Any
 from ray import ObjectRef
 
 from .. import _admission, _env
-from .._admission import Admission, Splitting
+from .._admission import Admission, Moment, Moments, Splitting, job_moment
 from .._cache import audit_cache
 from .._deep import Bundled, Skeleton, Split, never_split
 from .._keys import Keyed
@@ -47,8 +47,8 @@ class Route(enum.Enum):
 class Scope:
     """One decorated call or ``sharing`` block: shares the arguments of what it submits."""
 
-    __slots__ = ("admission", "audit", "deep", "ledger", "memo", "min_bytes", "puts",
-                 "session", "site", "splitting", "store", "verify")  # fmt: skip
+    __slots__ = ("admission", "audit", "deep", "ledger", "memo", "min_bytes", "moments",
+                 "puts", "session", "site", "splitting", "store", "verify")  # fmt: skip
 
     def __init__(self, options: Options, site: str = "") -> None:
         #: What the scope is (the decorated function, the block), for the report.
@@ -70,9 +70,20 @@ class Scope:
         self.admission: Admission | None = cache.admission if cache is not None else None
         #: What is learned of which kinds of values have members sent again (deep=None).
         self.splitting = cache.splitting if cache is not None else Splitting()
+        self.moments = Moments()
         self.session: tuple[str, str] | None = None
 
     # -- a task's arguments, ray.put and share() ---------------------------------------------
+
+    def submitting(self) -> None:
+        """A job is being submitted to a thread pool from this scope: mark the job's context
+        (this one, run in a copy) with the moment it sends in (see ``_admission.Moment``)."""
+        job_moment.set(self.moments.job())
+
+    def moment(self) -> Moment:
+        """The moment of a send from this context: its pool job's (a scope entered inside
+        the job sends as part of it), or one of its own."""
+        return job_moment.get() or self.moments.own()
 
     def timing(self) -> Timing | None:
         """An audit's clock for the call about to be sent (see ``_ledger.Timing``)."""
@@ -165,14 +176,15 @@ class Scope:
         audit's stand-in), an inline skeleton, or ``None`` for by value; counted in
         ``tab``. How, :meth:`route` decides."""
         kind = _admission.kind(value, tab.nbytes)
-        way = self.route(value, kind)
+        now = self.moment()
+        way = self.route(value, kind, now)
         if way is Route.WHOLE:
             return self.whole(value, tab, kind, put)
         if way is Route.COLD:
             return self.cold(value, tab, kind, put)
-        return self.split(value, tab, kind, put, probe=way is Route.PROBE)
+        return self.split(value, tab, kind, put, now, probe=way is Route.PROBE)
 
-    def route(self, value: Any, kind: _admission.Kind) -> Route:
+    def route(self, value: Any, kind: _admission.Kind, now: Moment) -> Route:
         """How an argument is sent, decided before anything is split. The first rule that
         applies, in this order:
 
@@ -186,7 +198,7 @@ class Scope:
         - anything else: ``PROBE``.
         """
         cls = type(value)
-        deep = self.deep is True or (self.deep is None and self.splitting.repeats(kind))
+        deep = self.deep is True or (self.deep is None and self.splitting.repeats(kind, now))
         if deep and not self.keyed_whole(cls):
             return Route.SPLIT
         if self.admission is not None and not self.admission.keyed(kind):
@@ -250,7 +262,9 @@ class Scope:
         self.admission.record(kind, hit=True)
         return self.whole(value, tab, None, put)
 
-    def split(self, value: Any, tab: Tab, kind: _admission.Kind, put: bool, probe: bool) -> Any:
+    def split(
+        self, value: Any, tab: Tab, kind: _admission.Kind, put: bool, now: Moment, probe: bool
+    ) -> Any:
         """``value``'s large members stored one by one and a skeleton naming them; or, to
         probe (``probe``), ``value`` stored whole unless a member was sent before (or the
         very content was stored whole before). A skeleton too small to store, or holding
@@ -274,14 +288,14 @@ class Scope:
                 return self.stored(whole, tab, kind)
             if probe:
                 stored = self.store.stored
-                sent_before = [key for key in members if stored(key) or learned.seen(key)]
+                sent_before = [key for key in members if stored(key) or learned.seen(key, now)]
                 if not sent_before:
-                    learned.remember(members, kind)
+                    learned.remember(members, kind, now)
                     if self.admission is not None:
                         self.admission.record(kind, hit=False)
                     return self.stored(whole, tab)
-                learned.found_again(sent_before)
-        learned.remember(members, kind)
+                learned.found_again(sent_before, now)
+        learned.remember(members, kind, now)
         if put and found.handles:
             return None  # Ray's own put: the refs and handles live as long as its object
         result = self.skeleton(found, tab, inline=not put)
