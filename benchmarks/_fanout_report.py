@@ -223,8 +223,9 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         ]
         if "per_call_put" in b:  # (absent from runs recorded before it was kept)
             floor = b["ideal"] + b["xxh3_128"]
-            by_value = f"by value / repeat {b['by_value'] / floor:.2f}{TIMES} and " if (
-                "by_value" in b) else ""  # fmt: skip
+            by_value = ""  # (absent from runs recorded before it was kept)
+            if "by_value" in b:
+                by_value = f"by value / repeat {b['by_value'] / floor:.2f}{TIMES} and "
             lines += [
                 "",
                 f"A repeat at its floor (the ideal plus one read, {ms(floor)} ms) makes "

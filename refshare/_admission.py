@@ -117,7 +117,7 @@ def pooled_moment() -> int | None:
 
 
 class Moments:
-    """A scope's moments (see :class:`Moment`)."""
+    """A scope's moments (see :class:`Moment`): its pool's jobs are marked when submitted."""
 
     __slots__ = ("_at", "_jobs", "_lock")
 
@@ -140,6 +140,16 @@ class Moments:
                 self._at = next(_moments)
             self._jobs += 1
             return Moment(self._at, self._jobs)
+
+    def submitted(self) -> None:
+        """A job is being submitted to a thread pool: mark the job's context (this one, a
+        copy the job runs in) with the moment it sends in."""
+        job_moment.set(self.job())
+
+    def now(self) -> Moment:
+        """The moment of a send from this context: its pool job's (a scope entered inside
+        the job sends as part of it), or one of the scope's own."""
+        return job_moment.get() or self.own()
 
 
 class _Sent:

@@ -14,6 +14,11 @@ class Timing(Protocol):
         """``fn(*args, **kwargs)``, Ray's own call, timed."""
 
 
+class PoolJobs(Protocol):
+    def submitted(self) -> None:
+        """A job is being submitted to a thread pool: run in the job's context first."""
+
+
 class SubmitScope(Protocol):
     """What Ray's patched submit path asks of the current scope."""
 
@@ -27,9 +32,9 @@ class SubmitScope(Protocol):
         """The ref for a ``ray.put(value, **options)`` made in the scope, or ``None`` to
         leave that put to Ray."""
 
-    def submitting(self) -> None:
-        """A job is being submitted to a thread pool from the scope: run in the job's
-        context, before the job."""
+    @property
+    def moments(self) -> PoolJobs:
+        """What marks the jobs the scope submits to a thread pool."""
 
 
 class Frame:

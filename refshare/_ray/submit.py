@@ -118,12 +118,12 @@ def _put(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
 def _pool_submit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
     """The wrapper of ``ThreadPoolExecutor.submit``: inside a scope, the task runs in a copy
     of the submitter's context (a fresh copy per task: one context cannot run in two
-    threads), marked as a job of the scope (see ``Scope.submitting``)."""
+    threads), marked as one of the scope's pool jobs (see ``_admission.Moments``)."""
     scope = current_scope()
     if scope is None or not _installed or not args:
         return wrapped(*args, **kwargs)
     context = contextvars.copy_context()
-    context.run(scope.submitting)
+    context.run(scope.moments.submitted)
     return wrapped(context.run, *args, **kwargs)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from ray import ObjectRef
 
 from .. import _admission, _env
-from .._admission import Admission, Moment, Moments, Splitting, job_moment
+from .._admission import Admission, Kind, Moment, Moments, Splitting
 from .._cache import audit_cache
 from .._deep import Bundled, Skeleton, Split, never_split
 from .._keys import Keyed
@@ -74,16 +74,6 @@ class Scope:
         self.session: tuple[str, str] | None = None
 
     # -- a task's arguments, ray.put and share() ---------------------------------------------
-
-    def submitting(self) -> None:
-        """A job is being submitted to a thread pool from this scope: mark the job's context
-        (this one, run in a copy) with the moment it sends in (see ``_admission.Moment``)."""
-        job_moment.set(self.moments.job())
-
-    def moment(self) -> Moment:
-        """The moment of a send from this context: its pool job's (a scope entered inside
-        the job sends as part of it), or one of its own."""
-        return job_moment.get() or self.moments.own()
 
     def timing(self) -> Timing | None:
         """An audit's clock for the call about to be sent (see ``_ledger.Timing``)."""
@@ -172,19 +162,17 @@ class Scope:
     # -- the decision ----------------------------------------------------------------------
 
     def send(self, value: Any, tab: Tab, put: bool = False) -> Any:
-        """What travels for ``value`` (``put``: the value of a ``ray.put``): its ref (an
-        audit's stand-in), an inline skeleton, or ``None`` for by value; counted in
-        ``tab``. How, :meth:`route` decides."""
+        """What travels for ``value`` (``put``: the value of a ``ray.put``), as :meth:`route`
+        decides: its ref (an audit's stand-in), an inline skeleton, or ``None`` for by value."""
         kind = _admission.kind(value, tab.nbytes)
-        now = self.moment()
-        way = self.route(value, kind, now)
+        way = self.route(value, kind, now := self.moments.now())
         if way is Route.WHOLE:
             return self.whole(value, tab, kind, put)
         if way is Route.COLD:
             return self.cold(value, tab, kind, put)
         return self.split(value, tab, kind, put, now, probe=way is Route.PROBE)
 
-    def route(self, value: Any, kind: _admission.Kind, now: Moment) -> Route:
+    def route(self, value: Any, kind: Kind, now: Moment) -> Route:
         """How an argument is sent, decided before anything is split. The first rule that
         applies, in this order:
 
@@ -214,7 +202,7 @@ class Scope:
             return True
         return self.deep is None and user_fingerprints.lookup(cls) is not None
 
-    def whole(self, value: Any, tab: Tab, kind: _admission.Kind | None, put: bool) -> Any:
+    def whole(self, value: Any, tab: Tab, kind: Kind | None, put: bool) -> Any:
         """``value`` keyed whole: found by content, or put."""
         start = time.perf_counter()
         keyed = self.memo.key(value, tab.nbytes, put)
@@ -227,7 +215,7 @@ class Scope:
             not_keying(keying)  # keyed by its pickle, which sharing would put: by value's work
         return ref
 
-    def stored(self, keyed: Keyed, tab: Tab, kind: _admission.Kind | None = None) -> Any:
+    def stored(self, keyed: Keyed, tab: Tab, kind: Kind | None = None) -> Any:
         """``keyed`` found by content or put, and counted: in ``tab``, and as a hit or miss
         of its ``kind`` for the admission."""
         got = self.store.find_or_put(keyed)
@@ -244,7 +232,7 @@ class Scope:
             tab.put(keyed.nbytes, keyed.stored)
         return got.ref
 
-    def cold(self, value: Any, tab: Tab, kind: _admission.Kind, put: bool) -> Any:
+    def cold(self, value: Any, tab: Tab, kind: Kind, put: bool) -> Any:
         """A value of a kind that has not repeated lately: put as it is, unless it is sent
         again within this call, which shows that its kind repeats after all."""
         assert self.admission is not None  # only the admission says cold
@@ -262,9 +250,7 @@ class Scope:
         self.admission.record(kind, hit=True)
         return self.whole(value, tab, None, put)
 
-    def split(
-        self, value: Any, tab: Tab, kind: _admission.Kind, put: bool, now: Moment, probe: bool
-    ) -> Any:
+    def split(self, value: Any, tab: Tab, kind: Kind, put: bool, now: Moment, probe: bool) -> Any:
         """``value``'s large members stored one by one and a skeleton naming them; or, to
         probe (``probe``), ``value`` stored whole unless a member was sent before (or the
         very content was stored whole before). A skeleton too small to store, or holding
