@@ -189,23 +189,25 @@ class RefCache:
     ) -> list[Any]:
         """Store the entries of one object, ``group`` (each ``(key, ref)``), which the
         object store holds ``nbytes`` for: all of them or none, the object counted once.
-        A key already stored keeps its ref and stays out of the group. Returns the ref
-        stored for each key."""
+        A key already stored keeps its ref and stays out of the group; a key the group
+        holds twice (one content twice in the object) is one entry, its first place.
+        Returns the ref stored for each key."""
         with self._lock:
             self._reuse.at(pooled_moment())
             found = [self._entries.get(key) for key, _ in items]
             keeps = ((group, nbytes),)
-            new = [
-                (key, CacheEntry(ref, keeps, group))
-                for (key, ref), e in zip(items, found, strict=True)
-                if e is None
-            ]
-            if new and self._insert(new):
-                self._groups[group] = [key for key, _ in new]
+            new: dict[Hashable, CacheEntry] = {}
+            for (key, ref), e in zip(items, found, strict=True):
+                if e is None and key not in new:
+                    new[key] = CacheEntry(ref, keeps, group)
+            if new and self._insert(list(new.items())):
+                self._groups[group] = list(new)
+            refs = []
             for (key, _), entry in zip(items, found, strict=True):
                 if entry is not None:
                     self._used(key)
-            return [ref if e is None else e.ref for (_, ref), e in zip(items, found, strict=True)]
+                refs.append(new[key].ref if entry is None else entry.ref)
+            return refs
 
     def _insert(self, new: list[tuple[Hashable, CacheEntry]]) -> bool:
         """Add ``new`` entries, evicting the others that have gone unused past their horizon

@@ -311,6 +311,29 @@ def test_what_the_cache_weighs_is_what_the_store_holds_for_it(probes: list[Any])
     assert _settled_extra(before, 0) == 0
 
 
+def test_equal_members_are_stored_once_and_the_cache_lets_go_of_them(
+    probes: list[Any],
+) -> None:
+    """Two distinct, equal members in each batch (two masks of ones), new every step, under
+    a budget that evicts: each content is stored once, each arrives as its own array, and
+    what Ray holds is what the cache weighs, within budget; emptied, the store holds
+    nothing for it (refshare used to count such a bundle twice and let go of it once,
+    pinning it, until the cache was over budget with nothing in it)."""
+    cache = refshare.RefCache(max_bytes=6 * MiB)
+    before = _held_by_driver()
+    for step in range(6):
+        value = {"a": np.full(MiB // 8, step), "b": np.full(MiB // 8, step), "c": np.arange(step)}
+        expected = by_value(probes, value)
+        with refshare.sharing(cache=cache, deep=True):
+            got = by_value(probes, value)
+        assert first_difference(expected, got) is None
+        del value
+        held = _settled_extra(before, cache.nbytes)
+        assert held == cache.nbytes <= cache.max_bytes, f"step {step}: Ray holds {held}"
+    assert cache.shrink(cache.nbytes) > 0 and len(cache) == 0 and cache.nbytes == 0
+    assert _settled_extra(before, 0) == 0
+
+
 def test_scopes_on_threads_sharing_a_cache_put_a_shared_member_once(probes: list[Any]) -> None:
     """Eight threads, each in its own scope on one cache, send a new 24 MiB array they all
     share and a 1 MiB array of their own at the same moment: one of them puts the shared

@@ -23,6 +23,21 @@ def test_lru_within_a_byte_budget() -> None:
     assert repr(cache) == "RefCache(maxsize=100, currsize=80, len=2)"
 
 
+def test_one_content_twice_in_an_object_is_one_entry_and_leaves_nothing_behind() -> None:
+    """An argument whose members are equal (two masks of ones) stores one content twice in
+    one object: the cache keeps one entry for it, and once that goes, keeps nothing alive
+    (it used to count the object twice and let go of it once, pinning it for good)."""
+    cache = RefCache(max_bytes=100)
+    assert cache.setdefault_group("bundle", [("a", "first"), ("a", "again")], 60) == [
+        "first",
+        "first",
+    ]
+    assert len(cache) == 1 and cache.nbytes == 60
+    cache.setdefault("b", "ref-b", 90)  # over budget: the bundle goes
+    assert list(cache) == ["b"] and cache.nbytes == 90
+    assert cache.shrink(90) == 90 and len(cache) == 0 and cache.nbytes == 0
+
+
 def test_entries_stored_in_one_object_are_weighed_once_and_evicted_together() -> None:
     cache = RefCache(max_bytes=100)
     assert cache.setdefault_group("bundle", [("a", "part-a"), ("b", "part-b")], 60) == [

@@ -165,14 +165,18 @@ class CallStore:
         other, see ``PutLocks``)."""
         with self.put_locks.holding(member.key for member in members):
             found = self.find_members(members)
-            missing = [m for m, got in zip(members, found, strict=True) if got is None]
-            refs = self.put_bundle(missing) if len(missing) > 1 else None
+            missing: dict[Key, Keyed] = {}  # one content twice (two masks of ones): once
+            for member, got in zip(members, found, strict=True):
+                if got is None:
+                    missing.setdefault(member.key, member)
+            new = list(missing.values())
+            refs = self.put_bundle(new) if len(new) > 1 else None
             if refs is None:
-                refs = [self.put(member) for member in missing]
-            fresh = iter(refs)
+                refs = [self.put(member) for member in new]
+            fresh = dict(zip(missing, refs, strict=True))
             for i, got in enumerate(found):
                 if got is None:
-                    ref = next(fresh)
+                    ref = fresh[members[i].key]
                     found[i] = None if ref is None else Got(ref, False)
             return found
 
