@@ -100,24 +100,31 @@ class StoreGauge:
         """By how many bytes the local store would pass :data:`YIELD_FILL` with ``nbytes``
         more put (0 if it would not, or if Ray does not say)."""
         store = local_store_bytes()
-        if not store:
+        used = self.used(nbytes, store)
+        if not store or used is None:
             return 0
-        limit = int(store * YIELD_FILL)
+        return max(0, used + nbytes - int(store * YIELD_FILL))
+
+    def used(self, nbytes: int = 0, store: int | None = None) -> int | None:
+        """The bytes the local store holds now: as last read, with what refshare put since;
+        read again when due (sooner near the mark, with ``nbytes`` about to be put).
+        ``None`` if Ray does not say. ``store``: the store's size, where the caller has it."""
+        store = local_store_bytes() if store is None else store
+        if not store:
+            return None
         now = time.monotonic()
         with self._lock:
             session = current_session()
             if session != self._session:
                 self._session, self._read_at, self._used, self._since = session, -1.0, 0, 0
                 self._blind = False
-            estimate = self._used + self._since + nbytes
             since_read = now - self._read_at
-            near = estimate > store * NEAR_FILL
+            near = self._used + self._since + nbytes > store * NEAR_FILL
             if since_read > READ_EVERY or (near and since_read > READ_AT_MOST_EVERY):
                 used = local_store_used()
                 self._blind = used is None
                 self._used, self._since, self._read_at = used or 0, 0, now
-                estimate = self._used + nbytes
-            return 0 if self._blind else max(0, estimate - limit)
+            return None if self._blind else self._used + self._since
 
     def settle(self, nbytes: int) -> int:
         """Read the store until what refshare just let go of has left it: the count has

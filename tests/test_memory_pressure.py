@@ -336,6 +336,34 @@ def test_an_audit_lets_go_under_pressure_as_sharing_would(group: list[Any]) -> N
     del held
 
 
+@reads_the_store
+@pytest.mark.verify_off
+def test_an_audit_does_not_take_rays_copies_for_pressure(group: list[Any]) -> None:
+    """The program holds 50 MiB of a 200 MiB store and, in each call, puts one 10 MiB value
+    eight times before sending another: sharing stores each once (70 MiB, below the mark of
+    120), Ray's own puts store eight copies (130 MiB, past it). An audit, which leaves the
+    puts to Ray, weighs the store as sharing would have it: it lets go of nothing, and
+    says what sharing saves, to the byte."""
+    held = [ray.put(marked(1300 + i, 10 * MiB)) for i in range(5)]
+    copied, sent = marked(1310, 10 * MiB), marked(1311, 10 * MiB)
+
+    def rounds(**options: Any) -> int:
+        refshare.reset_report()
+        cache = refshare.RefCache(max_bytes=BUDGET)
+        for _ in range(3):
+            with refshare.sharing(cache=cache, **options):
+                refs = [ray.put(copied) for _ in range(8)]
+                ray.get(group[0].apply.remote(summary, sent), timeout=60)
+                del refs
+            assert settled(lambda: in_use() < 75 * MiB)  # Ray's copies have gone
+        return refshare.report().bytes_repeated(audit=bool(options))
+
+    audited, shared = rounds(audit=True), rounds()
+    assert shared == (7 + 8 + 8) * 10 * MiB + 2 * 10 * MiB  # nothing let go of
+    assert audited == shared
+    del held
+
+
 @pytest.mark.verify_off
 def test_an_audit_weighs_what_sharing_would_store(group: list[Any]) -> None:
     """Four values of a quarter of the cache's budget each, cycled: stored, each weighs a

@@ -106,7 +106,9 @@ class Scope:
         shared = self.send(value, tab)
         self.ledger.argument(tab)
         if shared is None or self.audit:
-            return value  # by value (auditing: keyed and counted, Ray sends it as it is)
+            if shared is not None:  # auditing: keyed and counted, Ray sends it as it is
+                self.store.sent_by_value(nbytes)
+            return value
         if self.verify:
             shared = self.verified(value, shared, f"argument {argument!r}", task=True)
         return shared
@@ -140,6 +142,8 @@ class Scope:
         tab = self.ledger.tab(nbytes, put_call=not content)
         ref = self.whole(value, tab, None, True) if content else self.send(value, tab, True)
         if not isinstance(ref, ObjectRef):  # by value; an audit's stand-in
+            if ref is not None:  # auditing: Ray's own put stores what sharing would find
+                self.store.sent_by_value(nbytes)
             tab.put_call = False
             ref = None
         self.ledger.argument(tab)

@@ -53,8 +53,8 @@ class CallStore:
     """What one call found or put by key, and what it keeps alive (``audit``: what an audit
     of it would have, putting nothing)."""
 
-    __slots__ = ("__weakref__", "audit", "bundles", "cache", "closed", "forgotten", "held",
-                 "local", "put_locks", "session")  # fmt: skip
+    __slots__ = ("__weakref__", "audit", "began", "bundles", "cache", "closed", "forgotten",
+                 "held", "local", "put_locks", "sent", "session")  # fmt: skip
 
     def __init__(
         self, cache: RefCache | None, audit: bool = False, forgotten: Callable[[], None] = _nothing
@@ -67,6 +67,11 @@ class CallStore:
         #: The bundles ``local`` keeps a place of: each counted whole, once (see hold).
         self.bundles: set[Any] = set()
         self.held = 0
+        #: An audit's: bytes its call sent by value that sharing would have stored (Ray's
+        #: copies, in the store while their tasks run), and how full the store was when
+        #: the call began, which bounds how much of them can still be there (see over).
+        self.sent = 0
+        self.began = (gauge.used() or 0) if audit else 0
         self.put_locks = cache.put_locks if cache is not None else PutLocks()
         self.session: tuple[str, str] | None = None
         #: The call has ended: what it finds or puts is no longer kept (see close).
@@ -210,24 +215,50 @@ class CallStore:
             self.make_room(nbytes)
         if self.audit:
             if not keyed:
-                return Unsent(), nbytes
+                return Unsent(nbytes), nbytes
             start = time.perf_counter()
             weight = _weight(stored, nbytes)  # where sharing would put: not its keying
             _ledger.not_keying(time.perf_counter() - start)
-            return Unsent(), weight
+            return Unsent(weight), weight
         put = put_stored(stored, nbytes)
         if put is not None:
             gauge.added(put[1])
         return put
 
     def over(self, nbytes: int) -> int:
-        """By how many bytes ``nbytes`` more would pass the fill refshare yields at; for an
-        audit, with what sharing would keep (its cache, every live audited call) added."""
+        """By how many bytes ``nbytes`` more would pass the fill refshare yields at. For an
+        audit, the store as sharing would have it: Ray's by-value copies of what the live
+        audited calls would have shared taken out (each call's, at most what the store
+        has grown by since it began: its tasks' copies go as they end), and what sharing
+        would keep in their place put in (its cache, and what each of those calls keeps
+        that the cache does not), each object once."""
         if not self.audit:
             return gauge.over(nbytes)
         stores = [store for store in list(_live) if store.audit]
-        kept = sum(store.held for store in stores)
-        return gauge.over(nbytes + kept + (self.cache.nbytes if self.cache is not None else 0))
+        kept = sum(store.kept_alone() for store in stores)
+        kept += self.cache.nbytes if self.cache is not None else 0
+        used = gauge.used(nbytes)
+        if used is not None:
+            kept -= sum(min(store.sent, max(0, used - store.began)) for store in stores)
+        return gauge.over(nbytes + kept)
+
+    def sent_by_value(self, nbytes: int) -> None:
+        """An audit's: its call sent ``nbytes`` by value (an argument, or Ray's own put)
+        that sharing would have stored, or found stored (see over)."""
+        self.sent += nbytes
+
+    def kept_alone(self) -> int:
+        """An audit's: the bytes sharing would keep alive for this call that its cache does
+        not (the cache let go of them while the call holds them), each object once."""
+        cache, seen, nbytes = self.cache, set(), 0
+        for key, ref in tuple(self.local.items()):  # taken at once: a pool may be sending
+            if cache is not None and cache.keeps(key, ref):
+                continue
+            whole = ref.ref if type(ref) is Bundled else ref
+            if type(whole) is Unsent and id(whole) not in seen:
+                seen.add(id(whole))
+                nbytes += whole.nbytes
+        return nbytes
 
     # -- what the call keeps ----------------------------------------------------------------
 
@@ -266,10 +297,13 @@ class CallStore:
         if freed and not self.audit:
             gauge.settle(nbytes)
         logger.debug(
-            "the object store is filling: let go of %d bytes kept by %d calls, %d by the cache",
+            "the object store is filling%s: let go of %d bytes kept by %d calls, %d by the "
+            "cache, %d bytes past the mark",
+            " (an audit's, as sharing would)" if self.audit else "",
             held,
             len(stores),
             freed,
+            over,
         )
 
     def keeps_alone(self) -> bool:
@@ -284,6 +318,7 @@ class CallStore:
         if session != self.session:
             if self.session is not None:
                 self.forget()
+                self.sent = self.began = 0  # Ray's copies went with the old session
             self.session = session
             if self.cache is not None:
                 self.cache.bind_session(session)
@@ -325,6 +360,10 @@ def _weight(stored: Any, nbytes: int) -> int:
 
 
 class Unsent:
-    """Stands for the ref of what an audit would have put: never sent, never stored."""
+    """Stands for the ref of what an audit would have put: never sent, never stored;
+    ``nbytes``, what the object store would have held for it."""
 
-    __slots__ = ()
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
