@@ -51,7 +51,9 @@ READ_RATIOS: tuple[tuple[str, str, str], ...] = (
     ("repeat / (ideal + one read)", "refshare_repeat", "ideal"),
     ("first / (per-call put + one read)", "refshare_first", "per_call_put"),
 )
-REUSE_TARGET = 1.5  # reuse / ideal: no read, the stamps and bookkeeping only
+#: reuse / its floor, on the bf16 tensor: no read, the stamps and bookkeeping only, held to
+#: the tolerance a repeat has against its own floor.
+REUSE_TARGET = 1.15
 #: by value / repeat and per-call put / repeat must reach their bounds, or where a repeat
 #: within this of its floor (the ideal plus one read: ``repeat / (ideal + one read)``'s own
 #: tolerance) cannot, what such a repeat reaches: a bound that asks the repeat to sit closer to
@@ -122,6 +124,23 @@ def _target(ratio: str, value: float | None, kind: str, bound: float) -> dict[st
     return {"ratio": ratio, "value": value, "kind": kind, "bound": bound, "pass": passed}
 
 
+def _reuse_label(floor: dict[str, Any] | None) -> str:
+    where = f"{floor['payload']}, N={floor['n']}" if floor else "bf16 tensor: torch missing"
+    return (
+        f"reuse / its floor (reuse_fingerprints=True, {where}; the floor: refshare's stored "
+        "form put beforehand, sent by ref)"
+    )
+
+
+def _reuse_ratio(results: dict[str, Any]) -> float | None:
+    """The reuse fast path's time over its floor's (see ``fanout.measure_reuse_floor``)."""
+    floor = results.get("reuse_floor")
+    if not floor:
+        return None
+    times = floor["times"]
+    return median(times["refshare_reuse"]) / median(times["floor"])
+
+
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """The target checks and crossovers, as stored in the JSON and printed in the summary."""
     target_case = find_case(results, TARGET_PAYLOAD, TARGET_N)
@@ -148,8 +167,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     small_ratio = median(small["decorated"]["fan_out"]) / median(small["undecorated"]["fan_out"])
     others = [
         _target("fingerprint speed / bare xxh3_128", fp_speed, "min", FINGERPRINT_TARGET),
-        _target("reuse / ideal (reuse_fingerprints=True, 64 MiB, N=4)",
-                ratios.get("reuse / ideal"), "max", REUSE_TARGET),
+        _target(_reuse_label(results.get("reuse_floor")), _reuse_ratio(results), "max",
+                REUSE_TARGET),
         _target("small args: decorated / undecorated fan-out", small_ratio, "max",
                 SMALL_ARGS_TARGET),
     ]  # fmt: skip
@@ -380,9 +399,13 @@ NOTES = [
     "the store for arrays) and nothing else is done with it.",
     "- refshare first: `refshare.clear()` (untimed) before each call, so the content is "
     "new to the cache. refshare repeat: an untimed call first, so the cache is warm.",
-    "- refshare reuse: as refshare repeat, with `reuse_fingerprints=True`. The arrays "
-    "are read-only (tensors are versioned), so their digests are kept across calls. "
-    "The project's targets are on refshare repeat, the default.",
+    "- refshare reuse: as refshare repeat, with `reuse_fingerprints=True`: the tensor's "
+    "digest is kept across calls while torch's version counter says it is unchanged; "
+    "NumPy arrays, read-only ones too, are hashed on every call, so on them this is a "
+    "repeat. Its target is taken on the tensor, against its floor: the same fan-out of a "
+    "ref to refshare's stored form of it, put beforehand (`refshare.share`), which the "
+    "worker rebuilds as it does a shared argument; the ideal, which Ray pickles through "
+    "torch, is slower than that floor for a tensor.",
     "- ideal: one `ray.put` per case, before timing; the timed call only dispatches.",
     "- Store in flight: `ray.available_resources()['object_store_memory']`, sampled "
     "every 20 ms while workers sleep with their argument; the raylet reports it about "
