@@ -80,10 +80,8 @@ class Scope:
         return self.ledger.timing()
 
     def rewrite(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        """Return the task's ``args`` and ``kwargs`` with large values replaced by refs.
-
-        Returns the very same objects when nothing was replaced, so Ray sees no copy.
-        """
+        """The task's ``args`` and ``kwargs`` with large values replaced by refs: the very
+        same objects when nothing was replaced, so Ray sees no copy."""
         self.ledger.submission()
         shared = [self.share(value, index) for index, value in enumerate(args or ())]
         if any(new is not old for new, old in zip(shared, args or (), strict=True)):
@@ -106,8 +104,7 @@ class Scope:
         shared = self.send(value, tab)
         self.ledger.argument(tab)
         if shared is None or self.audit:
-            if shared is not None:  # auditing: keyed and counted, Ray sends it as it is
-                self.store.sent_by_value(nbytes)
+            self.store.sent_by_value(shared, nbytes)  # auditing: keyed, counted, by value
             return value
         if self.verify:
             shared = self.verified(value, shared, f"argument {argument!r}", task=True)
@@ -142,8 +139,7 @@ class Scope:
         tab = self.ledger.tab(nbytes, put_call=not content)
         ref = self.whole(value, tab, None, True) if content else self.send(value, tab, True)
         if not isinstance(ref, ObjectRef):  # by value; an audit's stand-in
-            if ref is not None:  # auditing: Ray's own put stores what sharing would find
-                self.store.sent_by_value(nbytes)
+            self.store.sent_by_value(ref, nbytes)  # auditing: Ray's own put
             tab.put_call = False
             ref = None
         self.ledger.argument(tab)

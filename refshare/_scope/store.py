@@ -242,10 +242,12 @@ class CallStore:
             kept -= sum(min(store.sent, max(0, used - store.began)) for store in stores)
         return gauge.over(nbytes + kept)
 
-    def sent_by_value(self, nbytes: int) -> None:
-        """An audit's: its call sent ``nbytes`` by value (an argument, or Ray's own put)
-        that sharing would have stored, or found stored (see over)."""
-        self.sent += nbytes
+    def sent_by_value(self, shared: Any, nbytes: int) -> None:
+        """Count a value of ``nbytes`` sent by value, an argument or Ray's own put: for an
+        audit, one that sharing would have stored or found (``shared``, what it would have
+        sent instead, is not ``None``), a copy Ray holds in its place (see over)."""
+        if self.audit and shared is not None:
+            self.sent += nbytes
 
     def kept_alone(self) -> int:
         """An audit's: the bytes sharing would keep alive for this call that its cache does
