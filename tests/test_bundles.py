@@ -324,9 +324,13 @@ def test_equal_members_are_stored_once_and_the_cache_lets_go_of_them(
     for step in range(6):
         value = {"a": np.full(MiB // 8, step), "b": np.full(MiB // 8, step), "c": np.arange(step)}
         expected = by_value(probes, value)
+        counted = refshare.stats()
         with refshare.sharing(cache=cache, deep=True):
             got = by_value(probes, value)
         assert first_difference(expected, got) is None
+        stats = refshare.stats()  # the second mask found in the call, not counted as put
+        assert stats.bytes_put - counted.bytes_put < 2 * MiB, f"step {step}"
+        assert stats.hits - counted.hits >= 1, f"step {step}"
         del value
         held = _settled_extra(before, cache.nbytes)
         assert held == cache.nbytes <= cache.max_bytes, f"step {step}: Ray holds {held}"

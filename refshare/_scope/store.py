@@ -165,7 +165,8 @@ class CallStore:
 
     def put_members(self, members: list[Keyed]) -> list[Got | None]:
         """Each of ``members`` (of a split value), found, or put now: the new ones in one
-        object, a bundle, where there are several. As in :meth:`find_or_put`, threads and
+        object, a bundle, where there are several, each content once (a member equal to
+        one before it is found in this call). As in :meth:`find_or_put`, threads and
         calls that miss one key at once wait for one put (two bundles never wait on each
         other, see ``PutLocks``)."""
         with self.put_locks.holding(member.key for member in members):
@@ -182,7 +183,8 @@ class CallStore:
             for i, got in enumerate(found):
                 if got is None:
                     ref = fresh[members[i].key]
-                    found[i] = None if ref is None else Got(ref, False)
+                    again = missing[members[i].key] is not members[i]  # found in this call
+                    found[i] = None if ref is None else Got(ref, again, again)
             return found
 
     def put_bundle(self, members: list[Keyed]) -> list[Any] | None:
