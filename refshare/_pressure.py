@@ -99,17 +99,20 @@ class StoreGauge:
     def over(self, nbytes: int) -> int:
         """By how many bytes the local store would pass :data:`YIELD_FILL` with ``nbytes``
         more put (0 if it would not, or if Ray does not say)."""
-        store = local_store_bytes()
-        used = self.used(nbytes, store)
-        if not store or used is None:
-            return 0
-        return max(0, used + nbytes - int(store * YIELD_FILL))
+        used = self.used(nbytes)
+        return 0 if used is None else self.past(used + nbytes)
 
-    def used(self, nbytes: int = 0, store: int | None = None) -> int | None:
+    def past(self, fill: int) -> int:
+        """By how many bytes a local store holding ``fill`` bytes passes :data:`YIELD_FILL`
+        (0 if it does not, or if its size is not known)."""
+        store = local_store_bytes()
+        return max(0, fill - int(store * YIELD_FILL)) if store else 0
+
+    def used(self, nbytes: int = 0) -> int | None:
         """The bytes the local store holds now: as last read, with what refshare put since;
         read again when due (sooner near the mark, with ``nbytes`` about to be put).
-        ``None`` if Ray does not say. ``store``: the store's size, where the caller has it."""
-        store = local_store_bytes() if store is None else store
+        ``None`` if Ray does not say."""
+        store = local_store_bytes()
         if not store:
             return None
         now = time.monotonic()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from .. import _ledger
@@ -239,10 +239,11 @@ class CallStore:
         stores = [store for store in list(_live) if store.audit]
         kept = sum(store.kept_alone() for store in stores)
         kept += self.cache.nbytes if self.cache is not None else 0
-        used = gauge.used(nbytes)
-        if used is not None:
-            kept -= sum(min(store.sent, max(0, used - store.began)) for store in stores)
-        return gauge.over(nbytes + kept)
+        used = gauge.used(nbytes + kept)  # read again sooner if that nears the mark
+        if used is None:
+            return 0
+        copies = sum(min(store.sent, max(0, used - store.began)) for store in stores)
+        return gauge.past(used + nbytes + kept - copies)
 
     def sent_by_value(self, shared: Any, nbytes: int) -> None:
         """Count a value of ``nbytes`` sent by value, an argument or Ray's own put: for an
@@ -254,15 +255,8 @@ class CallStore:
     def kept_alone(self) -> int:
         """An audit's: the bytes sharing would keep alive for this call that its cache does
         not (the cache let go of them while the call holds them), each object once."""
-        cache, seen, nbytes = self.cache, set(), 0
-        for key, ref in tuple(self.local.items()):  # taken at once: a pool may be sending
-            if cache is not None and cache.keeps(key, ref):
-                continue
-            whole = ref.ref if type(ref) is Bundled else ref
-            if type(whole) is Unsent and id(whole) not in seen:
-                seen.add(id(whole))
-                nbytes += whole.nbytes
-        return nbytes
+        alone = {id(whole): whole for whole in self.alone() if type(whole) is Unsent}
+        return sum(whole.nbytes for whole in alone.values())
 
     # -- what the call keeps ----------------------------------------------------------------
 
@@ -312,9 +306,15 @@ class CallStore:
 
     def keeps_alone(self) -> bool:
         """Whether this call keeps a ref the cache does not: forgetting it frees an object."""
+        return next(self.alone(), None) is not None
+
+    def alone(self) -> Iterator[Any]:
+        """The stored objects this call keeps that the cache does not (a bundle's once for
+        each of its places)."""
         cache = self.cache
-        kept = tuple(self.local.items())  # taken at once: other threads may be sending
-        return any(cache is None or not cache.keeps(key, ref) for key, ref in kept)
+        for key, ref in tuple(self.local.items()):  # taken at once: a pool may be sending
+            if cache is None or not cache.keeps(key, ref):
+                yield ref.ref if type(ref) is Bundled else ref
 
     def bind(self, session: tuple[str, str]) -> None:
         """Refs live only in the session that made them: in a new one (Ray restarted inside
