@@ -220,6 +220,7 @@ def run_case(config: Config, case: str) -> dict[str, Any]:
         if stop is not None:
             stop.set()
         after = refshare.stats()
+        refshare.clear()  # the cache's last batch would hold the store past "idle" for good
         counts = {f: getattr(after, f) - getattr(before, f) for f in ("puts", "hits", "evictions")}
         out[strategy] = {**found, "burst_digests": burst, "refshare_counts": counts,
                          "reading_ms": reading, "grpc_imported": "grpc" in sys.modules}  # fmt: skip
