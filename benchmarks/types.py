@@ -2,7 +2,8 @@
 sight (``share`` misses: hash and put) and on a repeat (``share`` of an equal copy hits: hash
 only), next to a plain ``ray.put``, a fresh ``refshare.fingerprint`` and one bare ``xxh3_128``
 pass over the value's raw bytes? Goals: miss <= max(1.15 x put, put + 1.3 x xxh3), hit <= 0.5
-x put (0.8 for an object array of strings). Medians of interleaved repetitions, warm store.
+x put (0.8 for an object array of strings). Medians of interleaved repetitions, warm store,
+each timing started with the value's memory out of the CPU's caches.
 
     python benchmarks/types.py [--quick | --smoke] [--reps N] [--out DIR] [--profile ROW]
 """
@@ -356,7 +357,13 @@ def settle(timeout: float = 30.0) -> float:
     return time.perf_counter() - start
 
 
+#: Written over before each timing, so that every measure meets the value's memory as a program
+#: does a large value it made a while ago: out of the CPU's caches (twice their size and more).
+_SCRATCH = np.zeros(64 * MiB, dtype=np.uint8)
+
+
 def timed(fn: Callable[[], Any], profiler: cProfile.Profile | None = None) -> tuple[float, Any]:
+    _SCRATCH[:] += 1
     gc.disable()
     start = time.perf_counter()
     out = fn() if profiler is None else profiler.runcall(fn)
@@ -446,7 +453,9 @@ def markdown(results: dict[str, Any]) -> str:
     notes = [f"- {r['name']}: {r.get('skipped') or r['note']}" for r in results["rows"]]
     intro = (
         f"What refshare costs per kind of value: medians of {cfg['reps']} interleaved repetitions "
-        f"on a warm object store, in milliseconds ({cfg['mode']} mode)."
+        f"on a warm object store, each timing started with the value's memory out of the CPU's "
+        f"caches (as a program meets a large value it made a while ago), in milliseconds "
+        f"({cfg['mode']} mode)."
     )
     lines = ["# refshare type table", "", intro, "", *report.machine_lines(results["meta"]), ""]
     lines += [*report.table(HEADER, [table_row(r) for r in done]), "", LEGEND, ""]
