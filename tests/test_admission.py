@@ -220,6 +220,34 @@ def test_values_with_their_own_pickling_are_put_as_ray_would() -> None:
     assert seen == [ray.get(contents.remote(v)) for v in values]
 
 
+class Compact(OwnPickling):
+    """Pickles to far fewer bytes than its array holds (a fill and a length), as a batch's
+    chunk may pickle fewer bytes than refshare's estimate of its size reads."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fill": int(self.data[0]), "n": self.data.size}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.data = np.full(state["n"], state["fill"], dtype=np.uint8)
+
+
+def test_a_value_put_without_keying_counts_what_the_store_holds() -> None:
+    shared = refshare.shared_args(lambda v: ray.get(contents.remote(v)))
+    values = [Compact(np.full(SIZE, i, dtype=np.uint8)) for i in range(COLD_AFTER + 2)]
+    for value in values[:COLD_AFTER]:
+        shared(value)
+    before = refshare.stats()
+    seen = [shared(v) for v in values[COLD_AFTER:]]
+    after = refshare.stats()
+    assert after.unkeyed - before.unkeyed == 2
+    assert seen == [ray.get(contents.remote(v)) for v in values[COLD_AFTER:]]
+    own = [ray.put(v) for v in values[COLD_AFTER:]]  # Ray's own put of the same values
+    found = ray.experimental.get_local_object_locations(own)
+    held = sum(found[ref]["object_size"] for ref in own)
+    assert held < SIZE  # what the store holds for both, against 256 KiB estimated for each
+    assert after.bytes_put - before.bytes_put == held
+
+
 def test_values_with_refs_inside_go_by_value_and_never_turn_a_kind_cold() -> None:
     inner = ray.put(np.arange(10))
     shared = refshare.shared_args(deep=False)(lambda v: ray.get(contents.remote(v)))

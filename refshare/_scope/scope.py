@@ -244,7 +244,7 @@ class Scope:
             if put_now is None:
                 self.ledger.by_value("Ray refused its put")
                 return None
-            tab.put(tab.nbytes, stored)
+            tab.put(put_now[1], stored)  # what the store holds, as a keyed put counts
             tab.unkeyed += 1
             return put_now[0]
         self.admission.record(kind, hit=True)
