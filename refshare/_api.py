@@ -24,6 +24,8 @@ from ._wire.strings import forget_joins
 logger = logging.getLogger("refshare")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+#: The options of a ``share()`` outside any scope: every size, the process-wide cache.
+_SHARE = Options(min_bytes=0)
 
 
 def clear() -> None:
@@ -240,6 +242,6 @@ def share(value: Any) -> ray.ObjectRef[Any]:
     (Ray's own put), what sharing would do counted in the report.
     """
     current = current_scope()
-    scope = current if isinstance(current, Scope) else Scope(Options(min_bytes=0), "share()")
+    scope = current if isinstance(current, Scope) else Scope(_SHARE, "share()")
     ref = None if _env.on(_env.DISABLE) else scope.content_put(value)
     return cast("ray.ObjectRef[Any]", raw_put(value) if ref is None else ref)

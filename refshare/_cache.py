@@ -99,7 +99,7 @@ class RefCache:
         self.put_locks = PutLocks()
         self._nbytes = 0
         self._reuse = Reuse()
-        self._session: object = None
+        self._session: tuple[str, str] | None = None
         self._lock = threading.RLock()
         self.admission = Admission()
         self.splitting = Splitting()
@@ -109,6 +109,13 @@ class RefCache:
         """The budget in bytes (resolved from the object store if none was given)."""
         if self._max_bytes is None:
             return default_budget()
+        return self._max_bytes
+
+    def _budget(self) -> int:
+        """:attr:`max_bytes` in the session the cache is bound to, without reading Ray's
+        (a put's path has just bound it, see :meth:`bind_session`)."""
+        if self._max_bytes is None:
+            return default_budget(self._session)
         return self._max_bytes
 
     @property
@@ -214,7 +221,7 @@ class RefCache:
         (see ``_reuse``; an object's entries once all of them have) once the cache has stored
         :data:`WARM_UP` of the budget in all, then the least recently used while it passes
         the budget; add none (and evict nothing) if they alone would not fit."""
-        budget = self.max_bytes
+        budget = self._budget()
         objects = dict(kept for _, entry in new for kept in entry.keeps)
         if sum(objects.values()) > budget:
             return False
@@ -237,7 +244,7 @@ class RefCache:
         the put would evict, a put sooner: its clock, the bytes stored, is further on."""
         with self._lock:
             self._reuse.at(pooled_moment())
-            self._age(self.max_bytes)
+            self._age(self._budget())
 
     def _age(self, budget: int) -> None:
         """Evict the entries gone unused past their horizon (an object's once all of its
@@ -312,7 +319,7 @@ class RefCache:
         self.admission.clear()
         self.splitting.clear()
 
-    def bind_session(self, session: object) -> None:
+    def bind_session(self, session: tuple[str, str] | None) -> None:
         """Empty the cache if its refs belong to another Ray session than ``session``."""
         if session != self._session:
             with self._lock:

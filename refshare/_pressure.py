@@ -66,9 +66,10 @@ def local_store_bytes(session: tuple[str, str] | None = None) -> int | None:
     return _store[1]
 
 
-def default_budget() -> int:
-    """A quarter of the local node's object store."""
-    store = local_store_bytes()
+def default_budget(session: tuple[str, str] | None = None) -> int:
+    """A quarter of the local node's object store. ``session``: as for
+    :func:`local_store_bytes`."""
+    store = local_store_bytes(session)
     return int(store * DEFAULT_STORE_FRACTION) if store else FALLBACK_MAX_BYTES
 
 
@@ -96,28 +97,30 @@ class StoreGauge:
         #: then nothing is estimated, and the budgets alone bound what refshare keeps.
         self._blind = False
 
-    def over(self, nbytes: int) -> int:
+    def over(self, nbytes: int, session: tuple[str, str] | None = None) -> int:
         """By how many bytes the local store would pass :data:`YIELD_FILL` with ``nbytes``
-        more put (0 if it would not, or if Ray does not say)."""
-        used = self.used(nbytes)
-        return 0 if used is None else self.past(used + nbytes)
+        more put (0 if it would not, or if Ray does not say). ``session``: the current
+        one, where the caller has read it (it is read here otherwise), as below."""
+        session = session or current_session()
+        used = self.used(nbytes, session)
+        return 0 if used is None else self.past(used + nbytes, session)
 
-    def past(self, fill: int) -> int:
+    def past(self, fill: int, session: tuple[str, str] | None = None) -> int:
         """By how many bytes a local store holding ``fill`` bytes passes :data:`YIELD_FILL`
         (0 if it does not, or if its size is not known)."""
-        store = local_store_bytes()
+        store = local_store_bytes(session)
         return max(0, fill - int(store * YIELD_FILL)) if store else 0
 
-    def used(self, nbytes: int = 0) -> int | None:
+    def used(self, nbytes: int = 0, session: tuple[str, str] | None = None) -> int | None:
         """The bytes the local store holds now: as last read, with what refshare put since;
         read again when due (sooner near the mark, with ``nbytes`` about to be put).
         ``None`` if Ray does not say."""
-        store = local_store_bytes()
+        session = session or current_session()
+        store = local_store_bytes(session)
         if not store:
             return None
         now = time.monotonic()
         with self._lock:
-            session = current_session()
             if session != self._session:
                 self._session, self._read_at, self._used, self._since = session, -1.0, 0, 0
                 self._blind = False

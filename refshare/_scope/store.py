@@ -235,15 +235,15 @@ class CallStore:
         would keep in their place put in (its cache, and what each of those calls keeps
         that the cache does not), each object once."""
         if not self.audit:
-            return gauge.over(nbytes)
+            return gauge.over(nbytes, self.session)
         stores = [store for store in list(_live) if store.audit]
         kept = sum(store.kept_alone() for store in stores)
         kept += self.cache.nbytes if self.cache is not None else 0
-        used = gauge.used(nbytes + kept)  # read again sooner if that nears the mark
+        used = gauge.used(nbytes + kept, self.session)  # read again sooner if that nears the mark
         if used is None:
             return 0
         copies = sum(min(store.sent, max(0, used - store.began)) for store in stores)
-        return gauge.past(used + nbytes + kept - copies)
+        return gauge.past(used + nbytes + kept - copies, self.session)
 
     def sent_by_value(self, shared: Any, nbytes: int) -> None:
         """Count a value of ``nbytes`` sent by value, an argument or Ray's own put: for an
