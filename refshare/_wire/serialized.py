@@ -29,7 +29,7 @@ from .._ray.pickling import ship_by_value
 from . import bootstrap
 from .arrays import array_bytes
 from .strings import strings_form
-from .tensors import bytes_form, storable_as_bytes, tensor_form
+from .tensors import TensorElements, bytes_form, storable_as_bytes, tensor_form
 
 logger = logging.getLogger("refshare")
 
@@ -223,7 +223,11 @@ class PickleOnPut:
 
 def put_as_bytes(stored: Any) -> bool:
     """Whether ``stored`` is put with its tensors as their bytes: a tensor (see
-    :func:`tensor_form`), or a value holding tensors (see :class:`PickleOnPut`)."""
+    :func:`tensor_form`), a tensor's elements taken out of a batch that pickles them through
+    ``torch.save`` (see ``TensorElements``), or a value holding tensors (see
+    :class:`PickleOnPut`)."""
+    if type(stored) is TensorElements:
+        return storable_as_bytes(stored.tensor)
     return type(stored) is PickleOnPut or storable_as_bytes(stored)
 
 
