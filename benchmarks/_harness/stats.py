@@ -38,3 +38,13 @@ def ratio_interval(times: Sequence[float], baseline: Sequence[float]) -> tuple[f
     ratios = np.median(a[picks_a], axis=1) / np.median(b[picks_b], axis=1)
     low, high = np.quantile(ratios, [0.025, 0.975])
     return float(low), float(high)
+
+
+def median_interval(values: Sequence[float]) -> tuple[float, float]:
+    """95% bootstrap interval of ``median(values)``: where the median could lie by noise
+    alone, given the spread of the values."""
+    rng = np.random.default_rng(0)
+    a = np.asarray(values)
+    medians = np.median(a[rng.integers(0, len(a), (BOOTSTRAP_RESAMPLES, len(a)))], axis=1)
+    low, high = np.quantile(medians, [0.025, 0.975])
+    return float(low), float(high)

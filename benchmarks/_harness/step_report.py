@@ -188,8 +188,28 @@ def time_rows(summary: dict[str, Any]) -> list[list[str]]:
          f"{low:.1f}{DASH}{high:.1f} ms between its quartiles; Ray's calls that sent large "
          f"arguments took {summary['sending_ms']:.1f} ms of the audit's step; plain again "
          f"saved {summary['control_saved_ms']:.1f} ms, the noise)",
-         "within 25%", "yes" if abs(ratio - 1) <= 0.25 else "NO"],
+         "within 25%", estimate_verdict(summary)],
     ]  # fmt: skip
+
+
+def estimate_verdict(summary: dict[str, Any]) -> str:
+    """``yes`` where the audit's estimate is within 25% of the median saving; ``NO`` where it
+    is not within 25% of any saving in the median's 95% interval either; else the run could
+    not tell, and says why (a saving near nothing, or steps too spread)."""
+    would, saved = summary["would_save_ms"], summary["default_saved_ms"]
+    if saved and abs(would / saved - 1) <= 0.25:
+        return "yes"
+    interval = summary.get("default_saved_interval_ms")
+    if interval is None:
+        return "NO"
+    low, high = interval
+    near = sorted((would / 1.25, would / 0.75))  # the savings the estimate is within 25% of
+    if near[1] < low or near[0] > high:
+        return "NO"
+    return (
+        f"cannot tell: the median saving's 95% interval, {low:.1f}{DASH}{high:.1f} ms, "
+        f"holds savings the estimate is within 25% of"
+    )
 
 
 def ideal_and_audit(summary: dict[str, Any], labels: dict[str, str]) -> list[str]:

@@ -22,7 +22,7 @@ import ray
 
 from _harness import ideal, options, report, session
 from _harness.report import REPO, MiB, log, ms
-from _harness.stats import median, quartiles, ratio_interval, rotated
+from _harness.stats import median, median_interval, quartiles, ratio_interval, rotated
 
 #: refshare's default mode (``deep=None``: it chooses per argument, whole or member by
 #: member), what ``refshare.enable(framework)`` does; it keeps a cache of its own (see
@@ -435,6 +435,7 @@ def audited(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "sending_ms": median([a.get("sending_ms", 0.0) for a in audit]),
         "default_saved_ms": saved_ms,
         "default_saved_quartiles_ms": quartiles(each_saved),
+        "default_saved_interval_ms": median_interval(each_saved),
         "control_saved_ms": -over_plain("control", wall) * 1e3,
         "would_to_saved_ms": _ratio(would_ms, saved_ms),
         "audit_over_plain_ms": over_plain(AUDIT, wall) * 1e3,
