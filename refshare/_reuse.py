@@ -7,19 +7,22 @@ cache measures reuse distances: the bytes stored through it between two uses of 
 What an entry used ``n`` times so far is likely to do next is what entries used ``n`` times
 did lately: an entry not used again since it was stored is kept for as long as the first
 reuses seen lately came (the distance from an entry's store to its first use again), one
-used once for as long as the second reuses came, with a margin. A distance speaks for other
-entries once two have shown it among the last reuses of that count: the weights, one entry
-sent once a step, come back a step after they were stored and again a step later, and alone
-they would keep every chunk used as often for a step and a half. An entry used again is also
-kept for as long as its own longest reuse distance, with the margin, and once used twice,
-for that alone. So the weights sent once a step stay from step to step; a rollout's chunk
-sent again by the next calls of its step and then never goes soon after the step's last
-call; and NeMo-RL's batch, sent again at once (the reference's log-probs right after the
-policy's) and then after a longer gap (train), stays for the gap its predecessors showed.
-Before any first reuse is seen, an entry never used again is not evicted for its age (the
-budget alone bounds the cache); an entry whose kind of next use no two entries have shown
-is kept for its own distances. What is counted is the last reuses of each count, however
-long ago: a loop that slows down, or stops sending, keeps what it learned.
+used once for as long as the second reuses came, and so on, with a margin. A distance speaks
+for other entries once two have shown it among the last reuses of that count: the weights,
+one entry sent once a step, come back a step after they were stored and again a step later,
+and alone they would keep every chunk used as often for a step and a half. An entry used
+again is also kept for as long as its own longest reuse distance, with the margin, and once
+used :data:`OWN_FROM` times, for that alone. So the weights sent once a step stay from step
+to step; a rollout's chunk sent again by the next calls of its step and then never goes soon
+after the step's last call; NeMo-RL's batch, sent again at once (the reference's log-probs
+right after the policy's) and then after a longer gap (train), stays for the gap its
+predecessors showed; and verl's, sent by each of a step's five calls, each reuse farther
+from the one before than its own had come (the driver stores the step's new keys between
+them), stays for each of its step's calls. Before any first reuse is seen, an entry never
+used again is not evicted for its age (the budget alone bounds the cache); an entry whose
+kind of next use no two entries have shown is kept for its own distances. What is counted is
+the last reuses of each count, however long ago: a loop that slows down, or stops sending,
+keeps what it learned.
 
 The clock is read once per moment (see ``_admission.Moment``): what the jobs a scope submits
 to a thread pool at once store and find is stamped with the clock as it was when the first
@@ -52,8 +55,11 @@ AGREE = 2
 #: Evicted keys remembered at most (the oldest are forgotten).
 MAX_GHOSTS = 4096
 #: An entry used again this many times is kept for its own distances alone: they speak for it
-#: better than what others did.
-OWN_FROM = 2
+#: better than what others did. Below it, how far the next reuses of entries used as often
+#: came keeps it too: verl's batch is sent by each of a step's five calls, each reuse more
+#: than :data:`MARGIN` times farther than the one before (at 2, its chunks went before their
+#: fourth and fifth calls and were put again every step).
+OWN_FROM = 8
 
 
 def _kept_for(distance: float) -> float:

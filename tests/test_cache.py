@@ -316,3 +316,33 @@ def test_without_reuse_the_budget_alone_bounds_it() -> None:
     for i in range(100):
         cache.setdefault(f"k{i}", i, 100)
     assert len(cache) == 10 and cache.nbytes == 1_000
+
+
+def test_a_batch_sent_by_every_call_of_its_step_stays_for_its_last_calls(
+    horizon_alone: None,
+) -> None:
+    """As verl's PPO step sends its batch: chunks stored by the first call and found by
+    each of the next four, the later ones farther apart (the driver stores the step's new
+    keys between them: log-probs, values, advantages). Each later reuse comes more than
+    1.5 times farther than the chunk's own before it; once two chunks have shown such a
+    reuse, every chunk is kept for it. It was put again every step (on verl's replay 8.5 MiB
+    a step, 1.24 times the step's distinct bytes), and the step's chunks still go before the
+    next step's are stored."""
+    cache = RefCache(max_bytes=10_000 * MiB)
+    misses = []
+    for step in range(20):
+        if cache.get("weights") is None:
+            cache.setdefault("weights", "w", 32 * MiB)
+        chunks = [f"chunk-{step}-{i}" for i in range(4)]
+        for chunk in chunks:
+            cache.setdefault(chunk, chunk, MiB)
+        missed = 0
+        for call, filler in enumerate([1, 2, 5, 12]):  # MiB of new keys before the call
+            cache.setdefault(f"new-{step}-{call}", f"n{step}{call}", filler * MiB)
+            for chunk in chunks:
+                if cache.get(chunk) is None:
+                    missed += 1
+                    cache.setdefault(chunk, chunk, MiB)
+        misses.append(missed)
+    assert not any(misses[1:]), misses
+    assert "chunk-10-0" not in cache and "weights" in cache
