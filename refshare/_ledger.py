@@ -8,9 +8,6 @@ reads the tallies as they are, and ``stats()`` sums those of sharing (not of aud
 
 from __future__ import annotations
 
-import functools
-import io
-import sys
 import threading
 import time
 from collections import Counter
@@ -18,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
-
+from ._clocks import SENDS, copying, unpickling
 from ._context import current_scope
 from ._wire.serialized import put_as_bytes
 
@@ -184,74 +180,6 @@ def not_keying(seconds: float) -> None:
     _sending.not_keying += seconds
 
 
-#: What the measures copy: large enough to leave the caches, small enough to take about 1 ms.
-_COPY_PROBE = 8 << 20
-
-
-def _least(fn: Callable[[], object], runs: int = 7) -> float:
-    """The fewest CPU seconds this thread spent on one of a few runs of ``fn``, after one
-    untimed run. The least, because what blurs a run only adds to it: another process on
-    the core, or pages the allocator had to fault in anew this time and not the next (which
-    of the two it does varies from process to process, and moved a median 8-fold)."""
-    fn()
-    took = []
-    for _ in range(runs):
-        start = time.thread_time()
-        fn()
-        took.append(time.thread_time() - start)
-    return min(took)
-
-
-@functools.cache
-def _copy_cost() -> float:
-    """Seconds this process takes to copy a byte into memory already mapped, as a put
-    copies into the object store's pages (mapped in each process once, then reused)."""
-    source = np.ones(_COPY_PROBE, np.uint8)
-    target = np.ones(_COPY_PROBE, np.uint8)  # written, so mapped: not ``zeros``' lazy pages
-    return _least(lambda: np.copyto(target, source)) / _COPY_PROBE
-
-
-def copying(nbytes: int) -> float:
-    """About how many seconds putting ``nbytes`` of a tensor's bytes takes: one copy into
-    the object store (timed once, on :data:`_COPY_PROBE` bytes)."""
-    return nbytes * _copy_cost()
-
-
-@functools.cache
-def _unpickle_cost(torch: Any) -> float:
-    """Seconds a receiver spends on a byte of a tensor sent by value more than on one sent
-    as sharing sends it. By value, unpickling copies the storage's bytes out of the pickle
-    into bytes of their own (one copy: :func:`copying`), which ``torch.load`` reads into a
-    new storage; sharing's receiver copies them from the object store into a new storage
-    (``bootstrap.rebuild_storage``). Timed here, on :data:`_COPY_PROBE` bytes: that copy,
-    and ``torch.load``'s reading against that rebuild (its own work beyond a copy). Each
-    part timed alone, on memory the allocator hands back, as a receiver's is call after
-    call: timed whole, the path faulted in new pages in some processes and not in others,
-    and the rate moved 10-fold between them."""
-    from ._wire.bootstrap import rebuild_storage
-
-    try:
-        saved = io.BytesIO()
-        probe = torch.ones(_COPY_PROBE // 4)._typed_storage()  # what a tensor pickles
-        torch.serialization.save(probe, saved, _use_new_zipfile_serialization=False)
-        data, raw = saved.getvalue(), np.ones(_COPY_PROBE, np.uint8)
-        loading = _least(lambda: torch.serialization.load(io.BytesIO(data), weights_only=False))
-        rebuilding = _least(lambda: rebuild_storage([raw], torch.float32))
-    except Exception:  # another torch: count nothing for the receivers
-        return 0.0
-    return _copy_cost() + max(0.0, loading - rebuilding) / _COPY_PROBE
-
-
-def unpickling(nbytes: int) -> float:
-    """About how many seconds more a receiver spends on ``nbytes`` of tensors sent by value
-    than on their bytes as sharing sends them (see :func:`_unpickle_cost`: timed once per
-    process, through ``torch.serialization``'s own functions, so that a program that wraps
-    ``torch.save`` to count its calls sees none of these). Nothing (0.0) where torch was
-    never imported (no tensor was sent); no receivers' part where the timing fails."""
-    torch = sys.modules.get("torch")
-    return 0.0 if torch is None or not nbytes else nbytes * _unpickle_cost(torch)
-
-
 R = TypeVar("R")
 
 
@@ -265,23 +193,38 @@ class Timing:
     the driver would save (see :meth:`Ledger.sent`). Its receiver would save rebuilding
     the tensors through torch's unpickling (:func:`unpickling`): the receivers of one
     scope's calls do so side by side, so the scope counts the slowest one's (see
-    :meth:`Ledger.close`)."""
+    :meth:`Ledger.close`). Its seconds are read off :data:`~refshare._clocks.SENDS`, which
+    shares the wall time among the sends of several threads at once; from its start until
+    :meth:`call` ends or :meth:`done`, it is one of them."""
 
-    __slots__ = ("ledger", "start")
+    __slots__ = ("in_flight", "ledger", "start", "wall")
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
         _sending.sent = _sending.repeated = _sending.as_bytes = _sending.tensors = 0
         _sending.not_keying = 0.0
-        self.start = time.perf_counter()
+        self.wall = time.perf_counter()
+        self.start = SENDS.enter()
+        self.in_flight = True
 
     def call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """``fn(*args, **kwargs)``, Ray's own call, timed."""
-        keyed = time.perf_counter()
+        keyed, wall = SENDS.read(), time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            self.ledger.sent(keyed - self.start, time.perf_counter() - keyed)
+            ended = SENDS.leave()
+            self.in_flight = False
+            if wall > self.wall:  # what was not keying, in the shared clock's seconds
+                _sending.not_keying *= (keyed - self.start) / (wall - self.wall)
+            self.ledger.sent(keyed - self.start, ended - keyed)
+
+    def done(self) -> None:
+        """The call was sent without :meth:`call` (by sharing, or after an error): this
+        clock is no longer among the sends in flight."""
+        if self.in_flight:
+            self.in_flight = False
+            SENDS.leave()
 
 
 class Ledger:

@@ -16,6 +16,8 @@ from refshare._admission import (  # the counts that decide what is keyed
 )
 from refshare._boot import Chain, Method, merged_runtime_env  # refshare run's setup
 from refshare._cache import process_cache  # the process-wide cache, to count its entries
+from refshare._clocks import SENDS as sends_clock  # the audit's clock, shared by threads
+from refshare._clocks import SharedClock
 from refshare._hashing import PARALLEL_MIN_BYTES, digest_buffer  # the chunked digest
 from refshare._hashing import _get_pool as hashing_pool  # its helper threads, to keep busy
 from refshare._integrations import FRAMEWORKS, _enabled  # the frameworks enable() knows
@@ -53,6 +55,7 @@ __all__ = [
     "JobReport",
     "Memo",
     "Method",
+    "SharedClock",
     "Target",
     "TensorElements",
     "Trust",
@@ -75,6 +78,7 @@ __all__ = [
     "process_cache",
     "read_job",
     "register_tensor_batch",
+    "sends_clock",
     "serialized",
     "submit",
 ]
