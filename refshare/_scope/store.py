@@ -12,12 +12,10 @@ and weighs what Ray would have stored: it runs without Ray.
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from .. import _ledger
 from .._cache import CacheEntry, PutLocks, RefCache
 from .._deep import Bundled, Skeleton, bundled_key
 from .._keys import Key, Keyed
@@ -218,9 +216,9 @@ class CallStore:
         if self.audit:
             if not keyed:
                 return Unsent(nbytes), nbytes
-            start = time.perf_counter()
-            weight = _weight(stored, nbytes)  # where sharing would put: not its keying
-            _ledger.not_keying(time.perf_counter() - start)
+            # Weighing pickles what sharing would put, as its put would (into a counter):
+            # sharing's time, which the audit's clock counts with its keying.
+            weight = _weight(stored, nbytes)
             return Unsent(weight), weight
         put = put_stored(stored, nbytes)
         if put is not None:
