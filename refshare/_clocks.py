@@ -77,14 +77,16 @@ _COPY_PROBE = 8 << 20
 
 def _least(fn: Callable[[], object], runs: int = 7) -> float:
     """The fewest CPU seconds this thread spent on one of a few runs of ``fn``, after one
-    untimed run. The least, because what blurs a run only adds to it: another process on
-    the core, or pages the allocator had to fault in anew this time and not the next (which
-    of the two it does varies from process to process, and moved a median 8-fold)."""
-    fn()
+    untimed run. The least, because what blurs a run only adds to it (another process on
+    the core). Each run's result is kept until the last, so that every run allocates pages
+    of its own, as a receiver does for what it keeps: whether the allocator handed a run
+    pages already mapped or new ones to fault in varied from process to process, and moved
+    the receivers' part of an audit's estimate 13-fold between two runs of one replay."""
+    kept = [fn()]  # each run's result kept until the last: every run gets fresh pages
     took = []
     for _ in range(runs):
         start = time.thread_time()
-        fn()
+        kept.append(fn())
         took.append(time.thread_time() - start)
     return min(took)
 
@@ -112,9 +114,9 @@ def _unpickle_cost(torch: Any) -> float:
     new storage; sharing's receiver copies them from the object store into a new storage
     (``bootstrap.rebuild_storage``). Timed here, on :data:`_COPY_PROBE` bytes: that copy,
     and ``torch.load``'s reading against that rebuild (its own work beyond a copy). Each
-    part timed alone, on memory the allocator hands back, as a receiver's is call after
-    call: timed whole, the path faulted in new pages in some processes and not in others,
-    and the rate moved 10-fold between them."""
+    part timed alone, each run on new storage kept (see :func:`_least`): both receivers
+    make a storage of their own; timed whole, the path faulted in new pages in some
+    processes and not in others, and the rate moved 10-fold between them."""
     from ._wire.bootstrap import rebuild_storage
 
     try:
