@@ -13,9 +13,6 @@ class Timing(Protocol):
     def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, Ray's own call, timed."""
 
-    def done(self) -> None:
-        """The call was sent some other way (or not at all): stop the clock untimed."""
-
 
 class PoolJobs(Protocol):
     def submitted(self) -> None:

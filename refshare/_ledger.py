@@ -176,7 +176,8 @@ _sending = _Sending()
 
 
 def not_keying(seconds: float) -> None:
-    """Count ``seconds`` an audit spent on this thread on what is not sharing's keying."""
+    """Count ``seconds`` (this thread's CPU time) an audit spent on what is not sharing's
+    keying."""
     _sending.not_keying += seconds
 
 
@@ -193,38 +194,30 @@ class Timing:
     the driver would save (see :meth:`Ledger.sent`). Its receiver would save rebuilding
     the tensors through torch's unpickling (:func:`unpickling`): the receivers of one
     scope's calls do so side by side, so the scope counts the slowest one's (see
-    :meth:`Ledger.close`). Its seconds are read off :data:`~refshare._clocks.SENDS`, which
-    shares the wall time among the sends of several threads at once; from its start until
-    :meth:`call` ends or :meth:`done`, it is one of them."""
+    :meth:`Ledger.close`).
 
-    __slots__ = ("in_flight", "ledger", "start", "wall")
+    The keying is this thread's CPU time: work sharing would do, where a wall clock would
+    also count the wait for the interpreter while another thread pickles an argument by
+    value, a wait sharing (which puts nothing there) would not have. Ray's call is read off
+    :data:`~refshare._clocks.SENDS`, which shares the wall time among the sends of several
+    threads at once. A call sent another way (by sharing, or not at all) is never timed."""
+
+    __slots__ = ("ledger", "start")
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
         _sending.sent = _sending.repeated = _sending.as_bytes = _sending.tensors = 0
         _sending.not_keying = 0.0
-        self.wall = time.perf_counter()
-        self.start = SENDS.enter()
-        self.in_flight = True
+        self.start = time.thread_time()
 
     def call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """``fn(*args, **kwargs)``, Ray's own call, timed."""
-        keyed, wall = SENDS.read(), time.perf_counter()
+        keying = time.thread_time() - self.start
+        start = SENDS.enter()
         try:
             return fn(*args, **kwargs)
         finally:
-            ended = SENDS.leave()
-            self.in_flight = False
-            if wall > self.wall:  # what was not keying, in the shared clock's seconds
-                _sending.not_keying *= (keyed - self.start) / (wall - self.wall)
-            self.ledger.sent(keyed - self.start, ended - keyed)
-
-    def done(self) -> None:
-        """The call was sent without :meth:`call` (by sharing, or after an error): this
-        clock is no longer among the sends in flight."""
-        if self.in_flight:
-            self.in_flight = False
-            SENDS.leave()
+            self.ledger.sent(keying, SENDS.leave() - start)
 
 
 class Ledger:

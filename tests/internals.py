@@ -34,6 +34,7 @@ from refshare._keys.stamps import (
     first_put,  # keying as a call's first ray.put of a value
 )
 from refshare._keys.tables import Memo, Trust
+from refshare._ledger import Ledger  # an audit's ledger, to time a call by hand
 from refshare._ray import submit  # Ray's patch targets, to pretend Ray moved them
 from refshare._scope import memo as call_memo  # what a call keys with, to make it fail
 from refshare._scope import store as call_store  # what a call stores with, to make Ray refuse it
@@ -53,6 +54,7 @@ __all__ = [
     "Chain",
     "Framework",
     "JobReport",
+    "Ledger",
     "Memo",
     "Method",
     "SharedClock",

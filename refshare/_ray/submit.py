@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import wrapt
 
-from .._context import SubmitScope, Timing, current_scope
+from .._context import SubmitScope, current_scope
 
 logger = logging.getLogger("refshare")
 
@@ -70,33 +70,6 @@ def _rewrite_call(
     return tuple(positional), kwargs
 
 
-def _send(
-    scope: SubmitScope,
-    wrapped: Callable[..., Any],
-    args: Any,
-    kwargs: Any,
-    skip: int,
-    timing: Timing | None,
-) -> Any:
-    """``wrapped`` (Ray's submit) called with the large arguments shared, or by value."""
-    try:
-        shared_args, shared_kwargs = _rewrite_call(scope, args, kwargs, skip)
-    except Exception:  # never break a call that works by value
-        logger.debug("submitting by value after an internal error", exc_info=True)
-        return wrapped(*args, **kwargs)
-    if shared_args is args and shared_kwargs is kwargs:
-        if timing is not None:
-            return timing.call(wrapped, *args, **kwargs)
-        return wrapped(*args, **kwargs)
-    try:
-        return wrapped(*shared_args, **shared_kwargs)
-    except Exception:
-        # Ray refused a ref (say, one from a session restarted inside this call): the
-        # call goes by value, and raises exactly what it raises without refshare.
-        logger.debug("Ray refused the shared arguments; submitting by value", exc_info=True)
-        return wrapped(*args, **kwargs)
-
-
 def _make_submit(owner: type) -> Wrapper:
     """The wrapper of ``owner._remote``."""
 
@@ -107,10 +80,21 @@ def _make_submit(owner: type) -> Wrapper:
         skip = 1 if instance is None and args and isinstance(args[0], owner) else 0
         timing = scope.timing()  # an audit's: its keying, then Ray sending by value
         try:
-            return _send(scope, wrapped, args, kwargs, skip, timing)
-        finally:
+            shared_args, shared_kwargs = _rewrite_call(scope, args, kwargs, skip)
+        except Exception:  # never break a call that works by value
+            logger.debug("submitting by value after an internal error", exc_info=True)
+            return wrapped(*args, **kwargs)
+        if shared_args is args and shared_kwargs is kwargs:
             if timing is not None:
-                timing.done()
+                return timing.call(wrapped, *args, **kwargs)
+            return wrapped(*args, **kwargs)
+        try:
+            return wrapped(*shared_args, **shared_kwargs)
+        except Exception:
+            # Ray refused a ref (say, one from a session restarted inside this call): the
+            # call goes by value, and raises exactly what it raises without refshare.
+            logger.debug("Ray refused the shared arguments; submitting by value", exc_info=True)
+            return wrapped(*args, **kwargs)
 
     return submit
 
@@ -122,17 +106,13 @@ def _put(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> 
         return wrapped(*args, **kwargs)
     timing = scope.timing()  # an audit's: its keying, then Ray's own put
     try:
-        try:
-            ref = scope.ray_put(args[0], **kwargs)
-        except Exception:  # never break a put that works
-            logger.debug("putting as Ray would after an internal error", exc_info=True)
-            ref = None
-        if ref is not None:
-            return ref
-        return wrapped(*args, **kwargs) if timing is None else timing.call(wrapped, *args, **kwargs)
-    finally:
-        if timing is not None:
-            timing.done()
+        ref = scope.ray_put(args[0], **kwargs)
+    except Exception:  # never break a put that works
+        logger.debug("putting as Ray would after an internal error", exc_info=True)
+        ref = None
+    if ref is not None:
+        return ref
+    return wrapped(*args, **kwargs) if timing is None else timing.call(wrapped, *args, **kwargs)
 
 
 def _pool_submit(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
