@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import helpers
 import pytest
 import ray
 import skyrl_wheel
@@ -102,6 +103,26 @@ def restart_local_ray(object_store_bytes: int = OBJECT_STORE_BYTES) -> None:
     """Stop the Ray this process runs and start a new local one, with that object store."""
     ray.shutdown()
     start_local_ray(object_store_bytes)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the script runs that the selected ``scripts`` tests check, in the order the
+    tests come (each module's ``start_scripts(items)``, with its tests not skipped): they run
+    a few at a time in the background (see ``helpers.in_background``)."""
+    if session.config.option.collectonly:
+        return
+    modules: dict[Any, list[pytest.Item]] = {}
+    for item in session.items:
+        if item.get_closest_marker("scripts") and not item.get_closest_marker("skip"):
+            modules.setdefault(getattr(item, "module", None), []).append(item)
+    for module, items in modules.items():
+        start = getattr(module, "start_scripts", None)
+        if start is not None:
+            start(items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    helpers.stop_scripts()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import ray
@@ -37,6 +41,49 @@ def run_own_ray(*command: str, timeout: float) -> subprocess.CompletedProcess[st
     one from ``ray start`` runs nearby)."""
     env = {**os.environ, "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0"}
     return run_python(*command, timeout=timeout, env=env)
+
+
+T = TypeVar("T")
+
+#: How many scripts the ``scripts`` tests run at once: most of a script's time is its own Ray
+#: starting and stopping, and waiting on it (side by side, the examples' budget runs and the
+#: replays' smoke runs took 204 s where they took 237 s one at a time).
+SCRIPTS_AT_ONCE = 2
+_scripts = ThreadPoolExecutor(SCRIPTS_AT_ONCE, thread_name_prefix="script")
+_started: dict[str, Future[Any]] = {}
+_scripts_lock = threading.Lock()
+_outputs = Path(tempfile.mkdtemp(prefix="refshare-scripts-"))
+
+
+def in_background(key: str, run: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+    """``run(*args, **kwargs)``, a script's run, started in the background once per ``key``;
+    a test waits for it when it checks it. A module of such tests starts its runs as the
+    session starts (its ``start_scripts``, see ``conftest``), so that the runs of one module
+    go on while the tests of the one before check theirs."""
+    with _scripts_lock:
+        found = _started.get(key)
+        if found is None:
+            found = _started[key] = _scripts.submit(run, *args, **kwargs)
+        return found
+
+
+def params(item: Any) -> dict[str, Any]:
+    """The parameters of a collected test (none where it is not parametrized)."""
+    callspec = getattr(item, "callspec", None)
+    return dict(callspec.params) if callspec is not None else {}
+
+
+def output_dir(key: str) -> Path:
+    """A new directory for what the script run ``key`` writes, removed at the session's end."""
+    found = _outputs / key.replace(" ", "_").replace("/", "_")
+    found.mkdir()
+    return found
+
+
+def stop_scripts() -> None:
+    """The session ends: drop the runs no test waited for, wait for those under way."""
+    _scripts.shutdown(wait=True, cancel_futures=True)
+    shutil.rmtree(_outputs, ignore_errors=True)
 
 
 class Payload:

@@ -11,10 +11,12 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import in_background, output_dir
 
 pytestmark = [pytest.mark.scripts, pytest.mark.slow]
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "fanout.py"
@@ -83,9 +85,14 @@ def run_smoke(script: Path, out: Path) -> Path:
     return out
 
 
+def start_scripts(items: list[pytest.Item]) -> Future[Path]:
+    """The benchmark's smoke run, in the background (see ``helpers.in_background``)."""
+    return in_background("fanout", lambda: run_smoke(BENCHMARK, output_dir("fanout")))
+
+
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return run_smoke(BENCHMARK, tmp_path_factory.mktemp("fanout"))
+def smoke_run() -> Path:
+    return start_scripts([]).result()
 
 
 def table_after(markdown: str, heading: str) -> list[list[str]]:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import in_background, output_dir
 from test_benchmark_smoke import assert_wrote, run_smoke, table_after
 
 # The benchmark's byte counting (Ray and the standard library only): says where it cannot run.
@@ -42,12 +44,21 @@ EXACT_GOALS = (
 )
 
 
+def start_scripts(items: list[pytest.Item]) -> Future[Path] | None:
+    """The benchmark's smoke run, in the background, where its counters can run."""
+    if counters.supported() is not None:
+        return None
+    return in_background(
+        "cluster", lambda: run_smoke(BENCHMARKS / "cluster.py", output_dir("cluster"))
+    )
+
+
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    reason = counters.supported()
-    if reason is not None:
-        pytest.skip(reason)
-    return run_smoke(BENCHMARKS / "cluster.py", tmp_path_factory.mktemp("cluster"))
+def smoke_run() -> Path:
+    run = start_scripts([])
+    if run is None:
+        pytest.skip(str(counters.supported()))
+    return run.result()
 
 
 @pytest.fixture(scope="module")

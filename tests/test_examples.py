@@ -2,7 +2,7 @@
 
 Each example checks its own results with asserts, so exit code 0 means they held. Examples
 run as subprocesses: each starts (and stops) a Ray of its own, apart from the suite's. They
-run a few at a time, started when the first test of this module asks for its result.
+run a few at a time, started as the session starts (see ``helpers.in_background``).
 """
 
 from __future__ import annotations
@@ -10,12 +10,11 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, run_own_ray
+from helpers import ROOT, in_background, params, run_own_ray
 
 pytestmark = pytest.mark.scripts
 
@@ -24,8 +23,6 @@ EXAMPLES = sorted(p for p in EXAMPLES_DIR.glob("*.py") if not p.name.startswith(
 #: What ``print(refshare.stats())`` writes.
 STATS_LINE = re.compile(r"^Stats\(puts=\d+, hits=\d+, .*\)$", re.MULTILINE)
 TIMEOUT_S = 180
-#: How many examples run at once: most of an example's time is Ray starting and stopping.
-CONCURRENCY = 2
 
 #: Runs an example with ``import torch`` failing, as on a machine without torch.
 WITHOUT_TORCH = (
@@ -61,14 +58,17 @@ def skipped(path: Path) -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def runs() -> Iterator[dict[tuple[Path, bool], Future[subprocess.CompletedProcess[str]]]]:
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
-        yield {
-            (path, no_torch): pool.submit(run_example, path, without_torch=no_torch)
-            for path, no_torch in RUNS
-            if skipped(path) is None
-        }
+def _run(path: Path, without_torch: bool) -> Future[subprocess.CompletedProcess[str]]:
+    """The run of ``path``, in the background (see ``helpers.in_background``)."""
+    key = f"example {path.name}{' without torch' if without_torch else ''}"
+    return in_background(key, run_example, path, without_torch=without_torch)
+
+
+def start_scripts(items: list[pytest.Item]) -> None:
+    """The runs the selected tests check, started."""
+    for item in items:
+        if "path" in (found := params(item)):
+            _run(found["path"], found["without_torch"])
 
 
 #: What ``stats()`` prints of verify's mismatches.
@@ -102,9 +102,5 @@ def test_examples_exist() -> None:
         for path, no_torch in RUNS
     ],
 )
-def test_example_runs(
-    runs: dict[tuple[Path, bool], Future[subprocess.CompletedProcess[str]]],
-    path: Path,
-    without_torch: bool,
-) -> None:
-    check(runs[path, without_torch].result())
+def test_example_runs(path: Path, without_torch: bool) -> None:
+    check(_run(path, without_torch).result())

@@ -2,15 +2,18 @@
 saves: each example runs with the process-wide cache's budget a quarter of the bytes one of
 its steps sends (its distinct bytes, from its report at the default budget), and every
 report it reads has the audit's "would save" within 5% of what sharing saved in the same
-run. (At the default budget, each example checks that itself.)"""
+run. (At the default budget, each example checks that itself.) The runs go a few at a time,
+as the examples' own do (see ``helpers.in_background``)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-from helpers import run_own_ray
+from helpers import in_background, output_dir, params, run_own_ray
 from test_examples import EXAMPLES_DIR, HAS_TORCH, NEED_TORCH
 
 pytestmark = [pytest.mark.scripts, pytest.mark.slow]
@@ -29,15 +32,35 @@ BUDGETS = {
 }
 
 
+def _run(name: str) -> Future[tuple[Path, subprocess.CompletedProcess[str]]]:
+    """The run of example ``name`` with its budget, in the background (see
+    ``helpers.in_background``): where it wrote what it read, and the run."""
+
+    def run() -> tuple[Path, subprocess.CompletedProcess[str]]:
+        out = output_dir(f"foretold {name}") / "foretold.json"
+        command = (str(KIT), str(BUDGETS[name]), str(out), str(EXAMPLES_DIR / name))
+        return out, run_own_ray(*command, timeout=300)
+
+    return in_background(f"foretold {name}", run)
+
+
+def _runnable(name: str) -> bool:
+    return name not in NEED_TORCH or HAS_TORCH
+
+
+def start_scripts(items: list[pytest.Item]) -> None:
+    """The runs the selected tests check, started."""
+    for item in items:
+        if "name" in (found := params(item)) and _runnable(found["name"]):
+            _run(found["name"])
+
+
 @pytest.mark.verify_off  # verify's copies take room in the store, which a tight budget feels
 @pytest.mark.parametrize("name", list(BUDGETS))
-def test_the_audit_foretells_with_a_quarter_step_budget(name: str, tmp_path: Path) -> None:
-    if name in NEED_TORCH and not HAS_TORCH:
+def test_the_audit_foretells_with_a_quarter_step_budget(name: str) -> None:
+    if not _runnable(name):
         pytest.skip(f"{name} needs torch, as the framework it mirrors does: not installed")
-    out = tmp_path / "foretold.json"
-    done = run_own_ray(
-        str(KIT), str(BUDGETS[name]), str(out), str(EXAMPLES_DIR / name), timeout=300
-    )
+    out, done = _run(name).result()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     found = json.loads(out.read_text())
     assert found["pairs"], "the example read no report with an audit and a run"

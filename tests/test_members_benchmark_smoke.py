@@ -12,10 +12,12 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import in_background, output_dir
 from test_benchmark_smoke import assert_wrote, table_after
 
 # Timed benchmarks: under REFSHARE_VERIFY=1 they would time verify; the step replays run there.
@@ -64,18 +66,31 @@ def run(
     return proc
 
 
-@pytest.fixture(scope="module")
-def members_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("members")
+def _members() -> Path:
+    out = output_dir("members")
     run("members.py", "--smoke", out)
     return out
 
 
-@pytest.fixture(scope="module")
-def pressure_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    out = tmp_path_factory.mktemp("pressure")
+def _pressure() -> tuple[Path, str]:
+    out = output_dir("pressure")
     # Eight child processes connect to its Ray, each starting two actors: minutes when busy.
     return out, run("pressure.py", "--smoke", out, timeout=600).stdout
+
+
+def start_scripts(items: list[pytest.Item]) -> tuple[Future[Path], Future[tuple[Path, str]]]:
+    """Both benchmarks' smoke runs, in the background (see ``helpers.in_background``)."""
+    return in_background("members", _members), in_background("pressure", _pressure)
+
+
+@pytest.fixture(scope="module")
+def members_run() -> Path:
+    return start_scripts([])[0].result()
+
+
+@pytest.fixture(scope="module")
+def pressure_run() -> tuple[Path, str]:
+    return start_scripts([])[1].result()
 
 
 def test_members_writes_its_files(members_run: Path) -> None:

@@ -2,17 +2,20 @@
 NeMo-RL-, ROLL- and SkyRL-shaped) and the type table run end to end in their smallest mode,
 on their mirrors, and every worker receives the same checksums under every strategy (the
 scripts exit non-zero otherwise), the audit and the ideal included, whose rows each replay's
-report shows. Timings are never checked."""
+report shows. Timings are never checked. The replays run a few at a time, beside the other
+scripts (see ``helpers.in_background``)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import ROOT, run_own_ray
+from helpers import ROOT, in_background, output_dir, params, run_own_ray
 
 BENCHMARKS = ROOT / "benchmarks"
 CASES = {
@@ -37,12 +40,35 @@ pytestmark = [pytest.mark.scripts, pytest.mark.slow]
 pytest.importorskip("torch")  # the replays send torch batches, as the frameworks do
 
 
+def _runnable(case: str) -> bool:
+    return "tensordict" not in case or importlib.util.find_spec("tensordict") is not None
+
+
+def _run(case: str) -> Future[tuple[Path, subprocess.CompletedProcess[str]]]:
+    """The run of ``case``, in the background (see ``helpers.in_background``): where it
+    wrote, and the run."""
+
+    def run() -> tuple[Path, subprocess.CompletedProcess[str]]:
+        args, out = CASES[case][0], output_dir(f"replay {case}")
+        command = (str(BENCHMARKS / args[0]), *args[1:], "--out", str(out))
+        return out, run_own_ray(*command, timeout=240)
+
+    return in_background(f"replay {case}", run)
+
+
+def start_scripts(items: list[pytest.Item]) -> None:
+    """The runs the selected tests check, started."""
+    for item in items:
+        if "case" in (found := params(item)) and _runnable(found["case"]):
+            _run(found["case"])
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_step_benchmark_smoke(case: str, tmp_path: Path) -> None:
+def test_step_benchmark_smoke(case: str) -> None:
     args, stem = CASES[case]
-    if "tensordict" in args and importlib.util.find_spec("tensordict") is None:
+    if not _runnable(case):
         pytest.skip("the legacy trainer's flow sends TensorDicts: tensordict is not installed")
-    done = run_own_ray(str(BENCHMARKS / args[0]), *args[1:], "--out", str(tmp_path), timeout=240)
+    tmp_path, done = _run(case).result()
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     # Run under REFSHARE_VERIFY=1, no step finds a mismatch.
     assert "refshare verify:" not in done.stderr, done.stderr[-3000:]
