@@ -46,13 +46,13 @@ def run_own_ray(*command: str, timeout: float) -> subprocess.CompletedProcess[st
 T = TypeVar("T")
 
 #: How many scripts the ``scripts`` tests run at once: most of a script's time is its own Ray
-#: starting and stopping, and waiting on it (side by side, the examples' budget runs and the
-#: replays' smoke runs took 204 s where they took 237 s one at a time).
+#: starting and stopping, and waiting on it (``pytest -m scripts`` took 343 s so, where it
+#: took 460 s running each module's scripts in turn, on 2 cores).
 SCRIPTS_AT_ONCE = 2
 _scripts = ThreadPoolExecutor(SCRIPTS_AT_ONCE, thread_name_prefix="script")
 _started: dict[str, Future[Any]] = {}
 _scripts_lock = threading.Lock()
-_outputs = Path(tempfile.mkdtemp(prefix="refshare-scripts-"))
+_outputs: list[Path] = []  # made on first use: Ray's workers import this module too
 
 
 def in_background(key: str, run: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
@@ -75,7 +75,10 @@ def params(item: Any) -> dict[str, Any]:
 
 def output_dir(key: str) -> Path:
     """A new directory for what the script run ``key`` writes, removed at the session's end."""
-    found = _outputs / key.replace(" ", "_").replace("/", "_")
+    with _scripts_lock:
+        if not _outputs:
+            _outputs.append(Path(tempfile.mkdtemp(prefix="refshare-scripts-")))
+    found = _outputs[0] / key.replace(" ", "_").replace("/", "_")
     found.mkdir()
     return found
 
@@ -83,7 +86,8 @@ def output_dir(key: str) -> Path:
 def stop_scripts() -> None:
     """The session ends: drop the runs no test waited for, wait for those under way."""
     _scripts.shutdown(wait=True, cancel_futures=True)
-    shutil.rmtree(_outputs, ignore_errors=True)
+    for made in _outputs:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 class Payload:
