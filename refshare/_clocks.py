@@ -53,12 +53,6 @@ class SharedClock:
             self._in_flight += 1
             return reading
 
-    def read(self) -> float:
-        """The reading now: what a send in flight since reading ``r`` has been charged is
-        this less ``r``."""
-        with self._lock:
-            return self._reading()
-
     def leave(self) -> float:
         """A send (one that entered) ends: the reading it ends at."""
         with self._lock:

@@ -44,21 +44,24 @@ EXACT_GOALS = (
 )
 
 
-def start_scripts(items: list[pytest.Item]) -> Future[Path] | None:
-    """The benchmark's smoke run, in the background, where its counters can run."""
-    if counters.supported() is not None:
-        return None
+def _run() -> Future[Path]:
+    """The benchmark's smoke run, in the background (see ``helpers.in_background``)."""
     return in_background(
         "cluster", lambda: run_smoke(BENCHMARKS / "cluster.py", output_dir("cluster"))
     )
 
 
+def start_scripts(items: list[pytest.Item]) -> None:
+    if counters.supported() is None:  # where its counters can run
+        _run()
+
+
 @pytest.fixture(scope="module")
 def smoke_run() -> Path:
-    run = start_scripts([])
-    if run is None:
-        pytest.skip(str(counters.supported()))
-    return run.result()
+    reason = counters.supported()
+    if reason is not None:
+        pytest.skip(reason)
+    return _run().result()
 
 
 @pytest.fixture(scope="module")

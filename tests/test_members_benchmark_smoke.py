@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -78,19 +77,20 @@ def _pressure() -> tuple[Path, str]:
     return out, run("pressure.py", "--smoke", out, timeout=600).stdout
 
 
-def start_scripts(items: list[pytest.Item]) -> tuple[Future[Path], Future[tuple[Path, str]]]:
+def start_scripts(items: list[pytest.Item]) -> None:
     """Both benchmarks' smoke runs, in the background (see ``helpers.in_background``)."""
-    return in_background("members", _members), in_background("pressure", _pressure)
+    in_background("members", _members)
+    in_background("pressure", _pressure)
 
 
 @pytest.fixture(scope="module")
 def members_run() -> Path:
-    return start_scripts([])[0].result()
+    return in_background("members", _members).result()
 
 
 @pytest.fixture(scope="module")
 def pressure_run() -> tuple[Path, str]:
-    return start_scripts([])[1].result()
+    return in_background("pressure", _pressure).result()
 
 
 def test_members_writes_its_files(members_run: Path) -> None:
