@@ -38,6 +38,17 @@ def clear() -> None:
     forget_joins()
 
 
+def _ray_client_test() -> Callable[[], object] | None:
+    try:
+        from ray._private.client_mode_hook import client_mode_should_convert
+    except Exception:  # Ray moved it: no way to tell, so no Ray Client
+        return None
+    return cast(Callable[[], object], client_mode_should_convert)
+
+
+#: Ray's own test of whether this thread talks to Ray through Ray Client.
+_client_mode = _ray_client_test()
+
 _warned_client = False
 
 
@@ -46,9 +57,7 @@ def _over_ray_client() -> bool:
     and puts go through the client's own stubs, which refshare does not patch."""
     global _warned_client
     try:
-        from ray._private.client_mode_hook import client_mode_should_convert
-
-        client = bool(client_mode_should_convert())  # type: ignore[no-untyped-call]
+        client = _client_mode is not None and bool(_client_mode())
     except Exception:
         return False
     if client and not _warned_client:

@@ -31,6 +31,8 @@ SCALAR_BYTES = 8
 #: Values too small to share, whatever their number: sized, stamped and sent as they are.
 SCALARS = frozenset((int, float, complex, bool, type(None)))
 
+#: Containers a walk sizes (which asks the table first, as for any value).
+_WALKED = frozenset((dict, list, tuple))
 #: Sizes by type, looked up along the MRO; a negative size means "walk its members".
 sizes: TypeTable[SizeFn] = TypeTable()
 #: Pickle's order as sizing needs it: sizes come from their own table, along the MRO.
@@ -165,20 +167,20 @@ class _Sizing:
         self.seen.add(id(obj))
         if isinstance(obj, (dict, list, tuple, set, frozenset)):
             items = obj.values() if isinstance(obj, dict) else obj
-            if self.ndarray is False:
-                self.ndarray = plain_ndarray()
             fits = 0 < len(obj) <= self.budget
-            arrays = _arrays_nbytes(items, self.ndarray) if fits else None
-            if arrays is not None:
-                self.budget -= len(obj)
-                self.total += arrays
-                return
             step = _stride(len(obj), self.sample)
             flat = _flat_size(items) if fits and step == 1 else None
             if flat is not None and flat[1] <= self.budget and self.total + flat[0] < self.limit:
                 # (Else walked: the walk stops at the limit, or extrapolates past the budget.)
                 self.total += flat[0]
                 self.budget -= flat[1]
+                return
+            if self.ndarray is False:
+                self.ndarray = plain_ndarray()
+            arrays = _arrays_nbytes(items, self.ndarray) if fits else None
+            if arrays is not None:
+                self.budget -= len(obj)
+                self.total += arrays
             else:
                 self.add_members(items if step == 1 else islice(items, 0, None, step), len(obj))
         elif isinstance(obj, memoryview):
@@ -259,6 +261,23 @@ def metadata_size(obj: object) -> int:
     batch's metadata), sized from a sample of each container's members: a small entry per
     row or mini-batch, by the hundred, beside megabytes of tensors."""
     return measure(obj, sample=CONTAINER_SAMPLE)[0]
+
+
+def size_if_large(obj: object, floor: int) -> int | None:
+    """The bytes ``obj`` serializes to if they reach ``floor``, else ``None``: what a scope
+    asks of every argument of every call. A scalar, string, array or registered type is
+    sized in one step; anything else is walked until it reaches ``floor``, then in full
+    (for the stats and the cache's budget)."""
+    try:
+        size = None if type(obj) in _WALKED else _leaf_size(obj)
+    except Exception:
+        logger.debug("could not size %s", type(obj).__qualname__, exc_info=True)
+        return None
+    if size is None:
+        size, complete = measure(obj, floor)
+        if size >= floor and not complete:
+            size = estimate_size(obj)
+    return size if size >= floor else None
 
 
 def measure(obj: object, limit: int = sys.maxsize, sample: int = sys.maxsize) -> tuple[int, bool]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from operator import is_not
 from typing import Any
 
 from ray import ObjectRef
@@ -21,7 +22,7 @@ from .._admission import Admission, Kind, Moment, Moments, Splitting
 from .._cache import audit_cache
 from .._deep import Bundled, Skeleton, Split, never_split
 from .._keys import Keyed
-from .._keys.sizes import SCALARS, estimate_size, measure
+from .._keys.sizes import SCALARS, estimate_size, size_if_large
 from .._keys.tables import leaf_digests, user_fingerprints
 from .._ledger import Ledger, Tab, Timing, not_keying
 from .._options import Options
@@ -83,12 +84,14 @@ class Scope:
         """The task's ``args`` and ``kwargs`` with large values replaced by refs: the very
         same objects when nothing was replaced, so Ray sees no copy."""
         self.ledger.submission()
-        shared = [self.share(value, index) for index, value in enumerate(args or ())]
-        if any(new is not old for new, old in zip(shared, args or (), strict=True)):
-            args = shared
-        named = {name: self.share(value, name) for name, value in (kwargs or {}).items()}
-        if any(new is not kwargs[name] for name, new in named.items()):
-            kwargs = named
+        if args:
+            shared = [self.share(value, index) for index, value in enumerate(args)]
+            if any(map(is_not, shared, args)):
+                args = shared
+        if kwargs:
+            named = {name: self.share(value, name) for name, value in kwargs.items()}
+            if any(map(is_not, named.values(), kwargs.values())):
+                kwargs = named
         return args, kwargs
 
     def share(self, value: Any, argument: int | str = 0) -> Any:
@@ -97,7 +100,7 @@ class Scope:
         keyword) in what verify mode reports."""
         if type(value) in SCALARS or isinstance(value, ObjectRef):
             return value
-        nbytes = self.size_if_large(value)
+        nbytes = size_if_large(value, self.min_bytes)
         if nbytes is None or not self.ready():
             return value  # small, or Ray is not running yet: it starts on this very call
         tab = self.ledger.tab(nbytes)
@@ -118,7 +121,7 @@ class Scope:
             return None
         if type(value) in SCALARS or isinstance(value, ObjectRef):
             return None  # Ray's own error for a ref, unchanged
-        nbytes = self.size_if_large(value)
+        nbytes = size_if_large(value, self.min_bytes)
         if nbytes is None or not self.ready():
             return None
         return self.put(value, nbytes, "ray.put")
@@ -322,14 +325,6 @@ class Scope:
             tab.hit(1, found.nbytes, found.nbytes)
 
     # -- what it needs ---------------------------------------------------------------------
-
-    def size_if_large(self, value: Any) -> int | None:
-        """The size of ``value`` if it reaches ``min_bytes``, else ``None``."""
-        nbytes, complete = measure(value, self.min_bytes)
-        if nbytes < self.min_bytes:
-            return None
-        # The estimate stopped at min_bytes: sized in full, for stats and the cache's budget.
-        return nbytes if complete else estimate_size(value)
 
     def close(self) -> None:
         """The call has ended: what it kept is let go of, an audit's receivers counted."""
