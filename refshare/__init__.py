@@ -1,6 +1,9 @@
 """Share large, repeated Ray task arguments by reference, with one decorator."""
 
-from . import _job  # noqa: F401  (writes each process's report where REFSHARE_REPORT says)
+from . import (
+    _boot,
+    _job,  # noqa: F401  (writes each process's report where REFSHARE_REPORT says)
+)
 from ._api import clear, share, shared_args, sharing
 from ._cache import RefCache
 from ._integrations import disable, enable, worker_setup
@@ -13,6 +16,8 @@ from ._report import Report, Row, report, reset_report
 from ._stats import Stats, enable_metrics, reset_stats, stats
 
 __version__ = "0.1.0"
+
+_boot.boot()  # under ``refshare run``, where importing refshare imported Ray (a no-op else)
 
 __all__ = [
     "RefCache",

@@ -27,7 +27,7 @@ import wrapt
 
 from . import _env
 from ._integrations import FRAMEWORKS, enable
-from ._integrations.methods import patch_methods
+from ._integrations.methods import patch_methods, yielding
 
 logger = logging.getLogger("refshare")
 
@@ -119,19 +119,20 @@ def attempt() -> None:
         _frameworks.difference_update(frameworks)
         methods = [method for method in _methods if _ready(method.module)]
         _methods[:] = [method for method in _methods if method not in methods]
-    for name in frameworks:
-        try:
-            enable(name)  # warns, itself, for what it does not find
-        except Exception:
-            logger.warning("refshare run: could not enable %r", name, exc_info=True)
-    for method in methods:
-        try:
-            owner: Any = sys.modules[method.module]
-            for part in filter(None, method.owner.split(".")):
-                owner = getattr(owner, part)
-            patch_methods(owner, method.name)
-        except Exception as error:
-            logger.warning("refshare run: %s left unwrapped: %s", method, error)
+    with yielding():  # to a program that enables refshare itself, with its own options
+        for name in frameworks:
+            try:
+                enable(name)  # warns, itself, for what it does not find
+            except Exception:
+                logger.warning("refshare run: could not enable %r", name, exc_info=True)
+        for method in methods:
+            try:
+                owner: Any = sys.modules[method.module]
+                for part in filter(None, method.owner.split(".")):
+                    owner = getattr(owner, part)
+                patch_methods(owner, method.name)
+            except Exception as error:
+                logger.warning("refshare run: %s left unwrapped: %s", method, error)
 
 
 def _framework_ready(name: str) -> bool:

@@ -278,6 +278,37 @@ def test_a_framework_is_enabled_as_its_modules_are_imported(tmp_path: Path) -> N
     assert other.stdout.split() == ["function"] * len(names), other.stderr
 
 
+#: A program that shares its worker group's method itself, with an audit, as the ROLL
+#: example does; before and after, what the method is and whether its scope audits.
+OWN_OPTIONS = """
+import logging, refshare, group
+logging.basicConfig()
+def show():
+    method = vars(group.Group)["broadcast"]
+    print(type(method).__name__, getattr(getattr(method, "_self_options", None), "audit", None))
+show()
+refshare.patch_methods(group.Group, "broadcast", audit=True)
+show()
+"""
+
+
+@pytest.mark.parametrize("first", ["", "import ray"])
+def test_a_program_that_shares_a_method_itself_gets_its_own_options(
+    tmp_path: Path, first: str
+) -> None:
+    """``refshare run`` wraps the method it is told of as the group's module is imported,
+    whether the program imports Ray first or refshare (which imports Ray); the program's
+    own ``patch_methods`` (or ``enable()``) then applies its own options, as it would
+    without the command, where a second call of the program's own keeps the first."""
+    (tmp_path / "group.py").write_text("class Group:\n    def broadcast(self): pass\n")
+    program = [sys.executable, "-c", f"{first}\n{OWN_OPTIONS}"]
+    done = refshare("run", "--methods", "group:Group.broadcast", "--", *program, path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    shown = done.stdout.split()
+    assert shown == ["SharedFunction", "False", "SharedFunction", "True"], done.stderr
+    assert "already shared" not in done.stderr and "refshare run:" not in done.stderr
+
+
 def test_the_modes_reach_the_program_as_its_environment() -> None:
     program = "import os; print(os.environ.get('REFSHARE_AUDIT'), os.environ['REFSHARE_VERIFY'])"
     for mode, printed in (("--verify", "None 1"), ("--verify=worker", "None worker")):

@@ -158,9 +158,9 @@ def test_patch_methods_round_trip(members: list[Any]) -> None:
 def test_patching_again_with_other_options_keeps_the_first_and_says_so(
     members: list[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A method already shared keeps its options when asked again with others (a program's
-    ``enable()`` under ``refshare run --audit``: the run's audit stays an audit), and the
-    second call says which it kept; asked again with the same ones, it says nothing."""
+    """A method already shared keeps its options when asked again with others, and the
+    second call says which it kept; asked again with the same ones, it says nothing. (What
+    ``refshare run`` wrapped gives way instead: see test_cli.)"""
 
     class Audited(Group):
         pass

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import types
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from .._api import SharedFunction
@@ -17,12 +19,29 @@ from .._ray.submit import in_chain
 class _Patched(NamedTuple):
     original: Any  #: the attribute refshare replaced, or ``_INHERITED``
     wrapper: SharedFunction  #: the wrapper it put there
+    yields: bool = False  #: put there by ``refshare run``: see :func:`yielding`
 
 
 #: (owner, name) -> what refshare replaced there.
 _patched: dict[tuple[Any, str], _Patched] = {}
 _lock = threading.Lock()
 logger = logging.getLogger("refshare")
+
+
+_run_patching = threading.local()
+
+
+@contextlib.contextmanager
+def yielding() -> Iterator[None]:
+    """Methods wrapped inside give way to the program's own wrapping: ``refshare run``
+    turns a framework on with the default options (its modes are switches every scope
+    reads), and a program that enables it itself, with options of its own (an audit of
+    one turn, say), gets them, as it would without the command."""
+    _run_patching.on = True
+    try:
+        yield
+    finally:
+        _run_patching.on = False
 
 
 def _label(owner: Any, name: str) -> str:
@@ -58,7 +77,8 @@ def patch_methods(owner: type | types.ModuleType, *names: str, **options: Any) -
 
     For a worker group you do not own: every call of those methods on any instance, old
     or new, runs in a sharing scope. Idempotent (a method already wrapped is left as it
-    is) and undone by :func:`unpatch_methods`. Returns the ``Class.method`` names wrapped.
+    is, save one ``refshare run`` wrapped: see :func:`yielding`) and undone by
+    :func:`unpatch_methods`. Returns the ``Class.method`` names wrapped.
     A subclass patched with options of its own keeps them, whatever is patched or unpatched
     on its bases. Raises ``AttributeError`` for a missing method, ``TypeError`` for an
     attribute that is not a method (a property), and the errors of :func:`shared_args` for
@@ -73,21 +93,35 @@ def patch_methods(owner: type | types.ModuleType, *names: str, **options: Any) -
     with _lock:
         for name, original, _stored_on in found:
             entry = _patched.get((owner, name))
+            kept = original if _stored_on is owner else _INHERITED
             if entry is not None and in_chain(owner.__dict__.get(name), entry.wrapper):
-                _kept(owner, name, entry.wrapper._self_options, resolved)
-                wrapped.append(_label(owner, name))
-                continue
+                if not _gives_way(owner, name, entry, resolved):
+                    _kept(owner, name, entry.wrapper._self_options, resolved)
+                    wrapped.append(_label(owner, name))
+                    continue
+                original, kept = entry.wrapper.__wrapped__, entry.original
             wrapper = SharedFunction(original, resolved)
             setattr(owner, name, wrapper)
-            kept = original if _stored_on is owner else _INHERITED
-            _patched[(owner, name)] = _Patched(kept, wrapper)
+            by_run = getattr(_run_patching, "on", False)
+            _patched[(owner, name)] = _Patched(kept, wrapper, by_run)
             wrapped.append(_label(owner, name))
     return wrapped
 
 
+def _gives_way(owner: Any, name: str, entry: _Patched, asked: Options) -> bool:
+    """Whether ``entry``, ``refshare run``'s, is replaced by the program's own options
+    (where nothing was wrapped on top of it since)."""
+    return (
+        entry.yields
+        and not getattr(_run_patching, "on", False)
+        and owner.__dict__.get(name) is entry.wrapper
+        and entry.wrapper._self_options != asked
+    )
+
+
 def _kept(owner: Any, name: str, kept: Options, asked: Options) -> None:
-    """Warn that a method already shared keeps its options where others were asked for (an
-    ``enable()`` in a program that ``refshare run`` already turned on, say)."""
+    """Warn that a method already shared keeps its options where others were asked for (a
+    program that enables one framework twice, with other options the second time)."""
     differ = [
         f.name
         for f in dataclasses.fields(Options)
@@ -120,7 +154,7 @@ def unpatch_methods(owner: type | types.ModuleType, *names: str) -> list[str]:
             entry = _patched.get((owner, name))
             if entry is None:
                 continue
-            original, wrapper = entry
+            original, wrapper = entry.original, entry.wrapper
             if owner.__dict__.get(name) is not wrapper:
                 continue  # someone wrapped it since: leave their wrapper working
             if original is _INHERITED:

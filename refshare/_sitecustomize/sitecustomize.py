@@ -29,6 +29,9 @@ def _warn(what: str, error: BaseException) -> None:
 
 
 def _boot() -> None:
+    refshare = sys.modules.get("refshare")
+    if getattr(getattr(refshare, "__spec__", None), "_initializing", False):
+        return  # importing refshare imported Ray: refshare boots once it is whole
     try:
         from refshare._boot import boot
 
