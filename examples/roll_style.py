@@ -151,6 +151,7 @@ def run(roll: Any, real: bool) -> dict[str, Any]:
     checks that each rank received its DP group's chunk, the same both ways."""
     clusters = build_clusters(roll, real)
     steps = [make_batch(1), make_batch(1)]  # a new batch each step, of equal content
+    refshare.disable("roll")  # by value first, even where `refshare run` turned it on
     undo = counting()
     run_steps(roll, clusters, [make_batch(0, rows=8)])  # the workers' first calls, uncounted
     plain, plain_received = run_steps(roll, clusters, steps)
