@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
+import sys
 from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, in_background, params, run_own_ray
+from helpers import ROOT, in_background, output_dir, params, run_own_ray
+from internals import read_job
 
 pytestmark = pytest.mark.scripts
 
@@ -64,11 +66,26 @@ def _run(path: Path, without_torch: bool) -> Future[subprocess.CompletedProcess[
     return in_background(key, run_example, path, without_torch=without_torch)
 
 
+def _run_verified(path: Path) -> Future[tuple[Path, subprocess.CompletedProcess[str]]]:
+    """The run of ``path`` through ``refshare run --verify``, in the background: where its
+    job's report is, and the run."""
+
+    def run() -> tuple[Path, subprocess.CompletedProcess[str]]:
+        out = output_dir(f"verified {path.name}")
+        command = ("-m", "refshare", "run", "--verify", "--report", str(out), "--")
+        return out, run_own_ray(*command, sys.executable, str(path), timeout=TIMEOUT_S)
+
+    return in_background(f"verified {path.name}", run)
+
+
 def start_scripts(items: list[pytest.Item]) -> None:
     """The runs the selected tests check, started."""
     for item in items:
-        if "path" in (found := params(item)):
+        found = params(item)
+        if "without_torch" in found:
             _run(found["path"], found["without_torch"])
+        elif "path" in found:
+            _run_verified(found["path"])
 
 
 #: What ``stats()`` prints of verify's mismatches.
@@ -104,3 +121,25 @@ def test_examples_exist() -> None:
 )
 def test_example_runs(path: Path, without_torch: bool) -> None:
     check(_run(path, without_torch).result())
+
+
+@pytest.mark.verify_off  # verified by the command itself: the verify lane need not run it again
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(path, marks=[pytest.mark.skip(reason=why)] if (why := skipped(path)) else [])
+        for path in EXAMPLES
+    ],
+    ids=lambda path: path.name,
+)
+def test_example_under_refshare_run_verify(path: Path) -> None:
+    """``refshare run --verify``, with no line of the example changed: it runs to its end,
+    and the job's report shows every argument sent by ref verified: none left unverified,
+    no mismatch."""
+    out, done = _run_verified(path).result()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    processes = read_job(str(out)).processes
+    assert processes and all(process.verify == "1" for process in processes), processes
+    shared = [row for process in processes for row in process.rows if not row["audit"]]
+    assert sum(row["verified"] for row in shared) > 0, shared
+    assert [(row["unverified"], row["mismatches"]) for row in shared] == [(0, 0)] * len(shared)
