@@ -28,7 +28,11 @@ _lock = threading.Lock()
 logger = logging.getLogger("refshare")
 
 
-_run_patching = threading.local()
+class _RunPatching(threading.local):
+    on = False  #: in this thread, ``refshare run`` is wrapping (see :func:`yielding`)
+
+
+_run_patching = _RunPatching()
 
 
 @contextlib.contextmanager
@@ -102,8 +106,7 @@ def patch_methods(owner: type | types.ModuleType, *names: str, **options: Any) -
                 original, kept = entry.wrapper.__wrapped__, entry.original
             wrapper = SharedFunction(original, resolved)
             setattr(owner, name, wrapper)
-            by_run = getattr(_run_patching, "on", False)
-            _patched[(owner, name)] = _Patched(kept, wrapper, by_run)
+            _patched[(owner, name)] = _Patched(kept, wrapper, _run_patching.on)
             wrapped.append(_label(owner, name))
     return wrapped
 
@@ -113,7 +116,7 @@ def _gives_way(owner: Any, name: str, entry: _Patched, asked: Options) -> bool:
     (where nothing was wrapped on top of it since)."""
     return (
         entry.yields
-        and not getattr(_run_patching, "on", False)
+        and not _run_patching.on
         and owner.__dict__.get(name) is entry.wrapper
         and entry.wrapper._self_options != asked
     )

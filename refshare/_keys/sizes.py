@@ -31,8 +31,6 @@ SCALAR_BYTES = 8
 #: Values too small to share, whatever their number: sized, stamped and sent as they are.
 SCALARS = frozenset((int, float, complex, bool, type(None)))
 
-#: Containers a walk sizes (which asks the table first, as for any value).
-_WALKED = frozenset((dict, list, tuple))
 #: Sizes by type, looked up along the MRO; a negative size means "walk its members".
 sizes: TypeTable[SizeFn] = TypeTable()
 #: Pickle's order as sizing needs it: sizes come from their own table, along the MRO.
@@ -159,7 +157,11 @@ class _Sizing:
         size = _leaf_size(obj)
         if size is not None:
             self.total += size
-            return
+        else:
+            self.walk(obj)
+
+    def walk(self, obj: object) -> None:
+        """Add ``obj``, of no size of its own (see :func:`_leaf_size`), by its members."""
         if self.seen is None:
             self.seen = set()
         elif id(obj) in self.seen:
@@ -269,27 +271,34 @@ def size_if_large(obj: object, floor: int) -> int | None:
     sized in one step; anything else is walked until it reaches ``floor``, then in full
     (for the stats and the cache's budget)."""
     try:
-        size = None if type(obj) in _WALKED else _leaf_size(obj)
+        size = _leaf_size(obj)
     except Exception:
         logger.debug("could not size %s", type(obj).__qualname__, exc_info=True)
         return None
     if size is None:
-        size, complete = measure(obj, floor)
+        size, complete = measure(obj, floor, no_leaf=True)
         if size >= floor and not complete:
             size = estimate_size(obj)
     return size if size >= floor else None
 
 
-def measure(obj: object, limit: int = sys.maxsize, sample: int = sys.maxsize) -> tuple[int, bool]:
+def measure(
+    obj: object, limit: int = sys.maxsize, sample: int = sys.maxsize, no_leaf: bool = False
+) -> tuple[int, bool]:
     """:func:`estimate_size`, and whether the walk went to its end rather than stopping at
     ``limit``: a value sized in one step (an array, a registered type) is sized in full.
 
     ``sample`` (``CONTAINER_SAMPLE``, say) visits that many members of each container and
     extrapolates the rest from them: for metadata whose containers hold a small, nearly
-    uniform entry per row (uids, lengths) beside the buffers that make up its bytes."""
+    uniform entry per row (uids, lengths) beside the buffers that make up its bytes.
+    ``no_leaf``: the caller found ``obj`` has no size of its own, so it is walked at once."""
     sizing = _Sizing(limit, sample)
     try:
-        sizing.add(obj)
+        if no_leaf:
+            sizing.budget -= 1  # its visit, as add() counts it
+            sizing.walk(obj)
+        else:
+            sizing.add(obj)
     except RecursionError:
         pass  # nested too deeply to walk: what was seen so far is the lower bound
     except Exception:

@@ -212,9 +212,11 @@ class Scope:
         if isinstance(keyed, NotKeyed):
             self.ledger.by_value(f"{type(value).__qualname__}: {keyed.reason}")
             return None
-        keying, puts = (time.thread_time() - start if self.audit else 0.0), tab.puts
+        if not self.audit:
+            return self.stored(keyed, tab, kind)
+        keying, puts = time.thread_time() - start, tab.puts
         ref = self.stored(keyed, tab, kind)
-        if self.audit and tab.puts > puts and isinstance(keyed.stored, Serialized):
+        if tab.puts > puts and isinstance(keyed.stored, Serialized):
             not_keying(keying)  # keyed by its pickle, which sharing would put: by value's work
         return ref
 
