@@ -10,10 +10,11 @@ then the cache's, least recently used first. It never makes Ray spill what the p
 holds, where by value would not have.
 
 Ray frees an object some milliseconds after its last reference goes, not at once: a put
-made right after letting go would find the store as full as before and make Ray spill. So
-after letting go, refshare reads the store again until what it let go of has left (the
-count has fallen and holds still), there is room, or :data:`SETTLE_AT_MOST` has passed:
-a wait paid only past the mark, where by value is close to spilling itself.
+made right after letting go could find the store as full as before and make Ray spill. So
+after letting go, if the put would take the store past :data:`SETTLE_FILL`, where Ray
+spills, refshare reads the store again until what it let go of has left (the count has
+fallen and holds still), the put fits below it, or :data:`SETTLE_AT_MOST` has passed. Below
+it there is nothing to wait for: the put spills nothing, as by value's own puts do not.
 
 How full the store is comes from Ray (see :func:`refshare._ray.session.local_store_used`):
 read at most every :data:`READ_EVERY` seconds while it is well below the mark (at most every
@@ -46,6 +47,9 @@ READ_AT_MOST_EVERY = 0.02
 #: Past this fill, estimated, the store is near the mark: what the program puts between
 #: readings (refshare sees only its own puts) can cross it within :data:`READ_EVERY`.
 NEAR_FILL = 0.4
+#: Fill past which a put waits, after refshare let go, for Ray to free what it let go of:
+#: where Ray starts spilling (its ``object_spilling_threshold``, 0.8 unless set).
+SETTLE_FILL = 0.8
 #: Seconds refshare waits at most, after letting go, for Ray to free what it let go of.
 SETTLE_AT_MOST = 0.25
 #: Seconds between readings while it waits.
@@ -135,12 +139,12 @@ class StoreGauge:
     def settle(self, nbytes: int) -> int:
         """Read the store until what refshare just let go of has left it: the count has
         fallen below the last reading and held still for two readings, or ``nbytes`` more
-        fit below :data:`YIELD_FILL`, or :data:`SETTLE_AT_MOST` has passed. Return by how
+        fit below :data:`SETTLE_FILL`, or :data:`SETTLE_AT_MOST` has passed. Return by how
         many bytes the store would then pass the mark (see :meth:`over`)."""
         store = local_store_bytes()
         if not store:
             return 0
-        limit = int(store * YIELD_FILL)
+        limit, room = int(store * YIELD_FILL), int(store * SETTLE_FILL)
         with self._lock:
             before = self._used + self._since
         deadline = time.monotonic() + SETTLE_AT_MOST
@@ -151,7 +155,7 @@ class StoreGauge:
                 return 0
             readings.append(used)
             fallen = used < before and readings[-3:] == [used] * 3
-            if used + nbytes <= limit or fallen or time.monotonic() >= deadline:
+            if used + nbytes <= room or fallen or time.monotonic() >= deadline:
                 break
             time.sleep(SETTLE_EVERY)
         with self._lock:

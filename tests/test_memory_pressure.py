@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gc
+import logging
 import re
 import threading
 import time
@@ -247,6 +248,34 @@ def settled(condition: Any, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+@reads_the_store
+@pytest.mark.parametrize("level", [logging.NOTSET, logging.ERROR])
+def test_reading_the_store_leaves_rays_log_as_it_was(group: list[Any], level: int) -> None:
+    """Whether the program silenced Ray's core-worker log or not, the reading counts what the
+    store holds, logs nothing, and leaves the logger's level as the program set it."""
+    raylet = logging.getLogger("ray._raylet")
+    records: list[logging.LogRecord] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    catch, before = Catch(), raylet.level
+    raylet.setLevel(level)
+    raylet.addHandler(catch)
+    try:
+        value = ray.put(marked(1300 + level, 4 * MiB))
+        held = in_use()
+        assert held >= 4 * MiB
+        del value
+        assert settled(lambda: in_use() <= held - 4 * MiB)
+        assert raylet.level == level
+    finally:
+        raylet.removeHandler(catch)
+        raylet.setLevel(before)
+    assert not [r for r in records if "Plasma" in r.getMessage()]
 
 
 @reads_the_store

@@ -88,15 +88,17 @@ def plasma_usage() -> dict[str, int]:
     raylet_logger = logging.getLogger("ray._raylet")
     usage = _Usage()
     with _usage_lock:
-        level = raylet_logger.level
-        if not raylet_logger.isEnabledFor(logging.WARNING):
+        # Setting a level clears every logger's cache: only where the record would be dropped.
+        level = None if raylet_logger.isEnabledFor(logging.WARNING) else raylet_logger.level
+        if level is not None:
             raylet_logger.setLevel(logging.WARNING)
         raylet_logger.addFilter(usage)
         try:
             core.log_plasma_usage()
         finally:
             raylet_logger.removeFilter(usage)
-            raylet_logger.setLevel(level)
+            if level is not None:
+                raylet_logger.setLevel(level)
     counts = {}
     for line in usage.text.splitlines():
         name, colon, number = line.lstrip("- ").partition(": ")
